@@ -1,0 +1,74 @@
+"""Attention backend interface: every backend reads CommonAttentionMetadata."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+
+from rung.graphs.mode import GraphSupport
+from rung.runtime.attention_metadata import CommonAttentionMetadata
+from rung.runtime.kv_cache_spec import KVCacheSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLayerSpec:
+    """Per-layer constants an attention impl needs."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
+    writes_kv: bool = True          # False for layers reading another layer's KV (MTP drafters)
+
+
+class AttentionMetadataBuilder:
+    """Builds backend metadata for one attention group.
+
+    One builder per ``AttentionGroupKey(backend, kv_spec, num_heads_q)``, because builders
+    may size scratch space by the number of query heads.
+    """
+
+    def __init__(self, kv_spec: KVCacheSpec, num_heads_q: int, device: torch.device) -> None:
+        self.kv_spec = kv_spec
+        self.num_heads_q = num_heads_q
+        self.device = device
+
+    def build(self, common: CommonAttentionMetadata) -> Any:
+        return common
+
+
+class AttentionImpl:
+    def __init__(self, spec: AttentionLayerSpec) -> None:
+        self.spec = spec
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
+        """query/output [num_tokens_padded, num_heads, head_dim]; key/value
+        [num_tokens_padded, num_kv_heads, head_dim]; kv_cache
+        [2, num_blocks, block_size, num_kv_heads, head_dim]. Writes KV then attends."""
+        raise NotImplementedError
+
+
+class AttentionBackend:
+    name: ClassVar[str]
+    graph_support: ClassVar[GraphSupport]
+    impl_cls: ClassVar[type[AttentionImpl]]
+    builder_cls: ClassVar[type[AttentionMetadataBuilder]] = AttentionMetadataBuilder
+
+    @classmethod
+    def is_available(cls, device: torch.device) -> tuple[bool, str]:
+        """(available, reason when not)."""
+        return True, ""
+
+    @classmethod
+    def validate_layer(cls, layer: AttentionLayerSpec, kv_spec: KVCacheSpec) -> None:
+        """Raise ValueError for a layer this backend cannot run."""
+
+
+def kv_cache_shape(spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
+    # NOTE: block 0 is the null block: never allocated to a request; pad rows point at it.
+    return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)

@@ -1,0 +1,43 @@
+"""Attention backend registry and selection."""
+
+from __future__ import annotations
+
+import torch
+
+from rung.kernels.backend import AttentionBackend
+from rung.kernels.torch_backend import TorchBackend
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {"TORCH": TorchBackend}
+
+
+def register_backend(backend: type[AttentionBackend]) -> None:
+    _BACKENDS[backend.name] = backend
+
+
+def _known() -> dict[str, type[AttentionBackend]]:
+    # Optional backends register themselves on import.
+    for module in ("rung.kernels.triton_backend", "rung.kernels.flash_attn_backend"):
+        try:
+            __import__(module)
+        except ImportError:
+            pass
+    return _BACKENDS
+
+
+def select_backend(name: str, device: torch.device) -> type[AttentionBackend]:
+    """`auto`: CUDA + flash-attn -> FLASH_ATTN, CUDA -> TRITON, CPU -> TORCH."""
+    backends = _known()
+    key = name.upper()
+    if key == "AUTO":
+        order = ["FLASH_ATTN", "TRITON", "TORCH"] if device.type == "cuda" else ["TORCH"]
+        for candidate in order:
+            if candidate in backends and backends[candidate].is_available(device)[0]:
+                return backends[candidate]
+        return TorchBackend
+    if key not in backends:
+        raise ValueError(f"unknown attention_backend {name!r}; expected auto or one of "
+                         f"{', '.join(sorted(b.lower() for b in backends))}")
+    ok, why = backends[key].is_available(device)
+    if not ok:
+        raise ValueError(f"attention_backend {name!r} is unavailable on {device}: {why}")
+    return backends[key]

@@ -1,0 +1,70 @@
+"""BatchExecutionDescriptor: the real and padded counts of one batch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rung.graphs.mode import CUDAGraphMode
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchExecutionDescriptor:
+    """What one forward pass runs, real counts beside padded ones.
+
+    Every request-indexed tensor handed to attention has leading size
+    ``num_reqs_padded``; every token-indexed tensor ``num_tokens_padded``.
+    """
+
+    mode: CUDAGraphMode            # runtime mode: NONE, PIECEWISE or FULL
+    num_reqs: int                  # requests scheduled
+    num_reqs_padded: int           # rows the graph was captured for
+    num_tokens: int                # tokens scheduled
+    num_tokens_padded: int         # tokens the graph was captured for
+    uniform_query_len: int | None = None         # tokens per request, when all equal
+    num_tokens_across_dp: tuple[int, ...] | None = None  # per-rank padded tokens (DP only)
+
+    def __post_init__(self) -> None:
+        assert self.mode in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL), (
+            f"runtime mode must be NONE, PIECEWISE or FULL, got {self.mode}")
+        assert 0 <= self.num_reqs <= self.num_reqs_padded, (
+            f"num_reqs {self.num_reqs} > num_reqs_padded {self.num_reqs_padded}")
+        assert 0 <= self.num_tokens <= self.num_tokens_padded, (
+            f"num_tokens {self.num_tokens} > num_tokens_padded {self.num_tokens_padded}")
+        assert self.num_reqs <= self.num_tokens or self.num_tokens == 0, (
+            f"{self.num_reqs} requests cannot share {self.num_tokens} tokens")
+        if self.mode == CUDAGraphMode.NONE:
+            assert self.num_reqs_padded == self.num_reqs, "NONE never pads requests"
+            assert (self.num_tokens_padded == self.num_tokens
+                    or self.num_tokens_across_dp is not None), "NONE pads tokens only for DP"
+        if self.uniform_query_len is not None:
+            assert self.num_tokens == self.num_reqs * self.uniform_query_len, (
+                f"uniform query len {self.uniform_query_len} x {self.num_reqs} requests "
+                f"!= {self.num_tokens} tokens")
+            assert self.num_tokens_padded == self.num_reqs_padded * self.uniform_query_len or (
+                self.mode != CUDAGraphMode.FULL), "FULL uniform batches pad whole requests"
+
+    @classmethod
+    def eager(cls, num_reqs: int, num_tokens: int,
+              uniform_query_len: int | None = None) -> "BatchExecutionDescriptor":
+        return cls(CUDAGraphMode.NONE, num_reqs, num_reqs, num_tokens, num_tokens,
+                   uniform_query_len)
+
+    @property
+    def is_padded(self) -> bool:
+        return (self.num_reqs_padded != self.num_reqs
+                or self.num_tokens_padded != self.num_tokens)
+
+    def for_drafting(self, num_query_tokens: int = 1) -> "BatchExecutionDescriptor":
+        """Descriptor of a draft step: ``num_query_tokens`` per REAL request.
+
+        NOTE: never derived from padded counts: the target's graph padding and data
+        parallel padding are both dropped here (failure class 3).
+        """
+        num_tokens = self.num_reqs * num_query_tokens
+        return BatchExecutionDescriptor(CUDAGraphMode.NONE, self.num_reqs, self.num_reqs,
+                                        num_tokens, num_tokens, num_query_tokens)
+
+    def with_graph(self, mode: CUDAGraphMode, num_reqs_padded: int,
+                   num_tokens_padded: int) -> "BatchExecutionDescriptor":
+        return dataclasses.replace(self, mode=mode, num_reqs_padded=num_reqs_padded,
+                                   num_tokens_padded=num_tokens_padded)

@@ -1,0 +1,38 @@
+"""The one scoped global: what attention ops read inside a compiled forward."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterator
+
+from rung.runtime.descriptor import BatchExecutionDescriptor
+
+
+@dataclasses.dataclass
+class ForwardContext:
+    desc: BatchExecutionDescriptor
+    attn_metadata: dict[str, Any]     # layer name -> metadata of its attention group
+    layers: dict[str, Any]            # layer name -> bound Attention module
+
+
+_current: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _current
+    prev, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = prev
+
+
+def get_forward_context() -> ForwardContext:
+    assert _current is not None, "attention called outside `with forward_context(...)`"
+    return _current
+
+
+def current_descriptor() -> BatchExecutionDescriptor | None:
+    return None if _current is None else _current.desc

@@ -1,0 +1,9 @@
+import os
+
+import torch
+
+# Triton kernels run under the interpreter on machines without CUDA.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
