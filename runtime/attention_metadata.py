@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-
 from rung.runtime.descriptor import BatchExecutionDescriptor
 
 

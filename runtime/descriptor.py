@@ -45,7 +45,7 @@ class BatchExecutionDescriptor:
 
     @classmethod
     def eager(cls, num_reqs: int, num_tokens: int,
-              uniform_query_len: int | None = None) -> "BatchExecutionDescriptor":
+              uniform_query_len: int | None = None) -> BatchExecutionDescriptor:
         return cls(CUDAGraphMode.NONE, num_reqs, num_reqs, num_tokens, num_tokens,
                    uniform_query_len)
 
@@ -54,7 +54,7 @@ class BatchExecutionDescriptor:
         return (self.num_reqs_padded != self.num_reqs
                 or self.num_tokens_padded != self.num_tokens)
 
-    def for_drafting(self, num_query_tokens: int = 1) -> "BatchExecutionDescriptor":
+    def for_drafting(self, num_query_tokens: int = 1) -> BatchExecutionDescriptor:
         """Descriptor of a draft step: ``num_query_tokens`` per REAL request.
 
         NOTE: never derived from padded counts: the target's graph padding and data
@@ -65,6 +65,6 @@ class BatchExecutionDescriptor:
                                         num_tokens, num_tokens, num_query_tokens)
 
     def with_graph(self, mode: CUDAGraphMode, num_reqs_padded: int,
-                   num_tokens_padded: int) -> "BatchExecutionDescriptor":
+                   num_tokens_padded: int) -> BatchExecutionDescriptor:
         return dataclasses.replace(self, mode=mode, num_reqs_padded=num_reqs_padded,
                                    num_tokens_padded=num_tokens_padded)

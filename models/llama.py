@@ -1,0 +1,117 @@
+"""Llama and Qwen3 decoders (Qwen3 adds per-head q/k RMSNorm)."""
+
+from __future__ import annotations
+
+import torch
+from rung.kernels.attention import Attention
+from rung.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, rope_inv_freq
+from rung.models.weights import WeightStream, check_all_loaded, load_named_weights
+from torch import nn
+
+STACKED = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
+           ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
+
+
+def rope_settings(cfg: dict) -> tuple[float, dict | None]:
+    """(theta, scaling) from HF v4 (`rope_theta`, `rope_scaling`) or v5 (`rope_parameters`)."""
+    params = cfg.get("rope_parameters") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or (params if params.get("rope_type") else None)
+    return float(theta), scaling
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: dict, layer_name: str, qk_norm: bool) -> None:
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = bool(cfg.get("attention_bias", False))
+        self.qkv_proj = MergedLinear(hidden, [q_size, kv_size, kv_size], bias=bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
+        theta, scaling = rope_settings(cfg)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg["max_position_embeddings"],
+                                          rope_inv_freq(self.head_dim, theta, scaling))
+        self.attn = Attention(layer_name, self.num_heads, self.num_kv_heads, self.head_dim,
+                              scale=self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, index: int, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, f"model.layers.{index}.self_attn.attn", qk_norm)
+        self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"])
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: dict, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qk_norm)
+                                    for i in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+
+
+class LlamaForCausalLM(nn.Module):
+    qk_norm = False
+
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, self.qk_norm)
+        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.tied = bool(cfg.get("tie_word_embeddings", False))
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [num_tokens_padded] -> hidden [num_tokens_padded, hidden]."""
+        hidden = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            hidden = layer(positions, hidden)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_reqs, hidden] -> logits [num_reqs, vocab] fp32."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: WeightStream) -> None:
+        loaded = load_named_weights(self, weights, STACKED)
+        check_all_loaded(self, loaded, {"lm_head.weight": "model.embed_tokens.weight"}
+                         if self.tied else {})
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,22 @@
+"""Built-in model presets: HF-style configs with deterministic random weights."""
+
+from __future__ import annotations
+
+_LLAMA_BASE = {
+    "model_type": "llama", "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "max_position_embeddings": 2048, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+
+PRESETS: dict[str, dict] = {
+    "tiny-llama": {**_LLAMA_BASE, "vocab_size": 512, "hidden_size": 64,
+                   "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+    "tiny-qwen3": {**_LLAMA_BASE, "model_type": "qwen3", "vocab_size": 512,
+                   "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                   "tie_word_embeddings": True},
+    "bench-llama": {**_LLAMA_BASE, "vocab_size": 8192, "hidden_size": 512,
+                    "intermediate_size": 1408, "num_hidden_layers": 8,
+                    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64},
+}

@@ -1,0 +1,41 @@
+"""Attention groups: layers of one KV cache group that can share a metadata builder."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from rung.kernels.attention import Attention
+from rung.kernels.backend import AttentionBackend, AttentionMetadataBuilder
+from rung.runtime.kv_cache_spec import KVCacheSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionGroupKey:
+    # NOTE: num_heads_q is part of the key: builders size scratch by query heads, so a
+    # draft with 4 query heads must not share a builder with a target's 8 (failure class 2).
+    backend: str
+    kv_spec: KVCacheSpec
+    num_heads_q: int
+
+
+@dataclasses.dataclass
+class AttentionGroup:
+    key: AttentionGroupKey
+    kv_group_id: int
+    layer_names: list[str]
+    builder: AttentionMetadataBuilder
+
+
+def build_attention_groups(layers: dict[str, Attention], layer_kv_group: dict[str, int],
+                           kv_specs: dict[int, KVCacheSpec], backend: type[AttentionBackend],
+                           device: torch.device) -> list[AttentionGroup]:
+    groups: dict[tuple[int, AttentionGroupKey], AttentionGroup] = {}
+    for name, layer in layers.items():
+        gid = layer_kv_group[name]
+        key = AttentionGroupKey(backend.name, kv_specs[gid], layer.spec.num_heads)
+        if (gid, key) not in groups:
+            builder = backend.builder_cls(key.kv_spec, key.num_heads_q, device)
+            groups[(gid, key)] = AttentionGroup(key, gid, [], builder)
+        groups[(gid, key)].layer_names.append(name)
+    return list(groups.values())

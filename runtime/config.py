@@ -1,0 +1,109 @@
+"""Engine configuration, built from LLM(...) keyword arguments."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+from rung.graphs.mode import CUDAGraphMode
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclasses.dataclass
+class CompilationConfig:
+    cudagraph_mode: CUDAGraphMode = CUDAGraphMode.FULL_AND_PIECEWISE
+    cudagraph_capture_sizes: list[int] | None = None   # None -> the default ladder
+    backend: str = "eager"            # how pieces compile: "eager" (FX) or "inductor"
+    graph_backend: str = "auto"       # "cuda" | "emulated" | "auto"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> CompilationConfig:
+        raw = dict(raw or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"unknown compilation_config keys {sorted(unknown)}; "
+                             f"known: {sorted(known)}")
+        if "cudagraph_mode" in raw:
+            raw["cudagraph_mode"] = CUDAGraphMode.parse(raw["cudagraph_mode"])
+        if raw.get("backend", "eager") not in ("eager", "inductor"):
+            raise ValueError(f"compilation_config backend {raw['backend']!r} not in "
+                             "('eager', 'inductor')")
+        return cls(**raw)
+
+
+@dataclasses.dataclass
+class SpeculativeConfig:
+    method: str                      # "mtp" | "ngram"
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int = 1       # n-gram: shortest suffix to match
+    prompt_lookup_max: int = 4       # n-gram: longest suffix to match
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> SpeculativeConfig | None:
+        if not raw:
+            return None
+        raw = dict(raw)
+        method = raw.pop("method", None)
+        if method not in ("mtp", "ngram"):
+            raise ValueError(f"speculative_config method {method!r} not in ('mtp', 'ngram')")
+        k = raw.pop("num_speculative_tokens", None)
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"num_speculative_tokens={k!r} must be an integer >= 1")
+        cfg = cls(method, k, **raw)
+        if method == "mtp" and not cfg.model:
+            raise ValueError("speculative_config method 'mtp' needs a draft 'model'")
+        if method == "ngram" and not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
+            raise ValueError(f"n-gram prompt_lookup_min={cfg.prompt_lookup_min} and "
+                             f"prompt_lookup_max={cfg.prompt_lookup_max} must satisfy "
+                             "1 <= min <= max")
+        return cfg
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    model: str
+    dtype: torch.dtype
+    device: torch.device
+    seed: int = 0
+    max_num_seqs: int = 256
+    max_model_len: int | None = None       # None -> the model's max_position_embeddings
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    enforce_eager: bool = False
+    compilation: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
+    attention_backend: str = "auto"
+    speculative: SpeculativeConfig | None = None
+    load_format: str = "auto"
+    debug_padding: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("RUNG_DEBUG_PADDING", "0") == "1")
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be "
+                             f">= max_num_seqs={self.max_num_seqs}")
+
+    @property
+    def num_spec_tokens(self) -> int:
+        return self.speculative.num_speculative_tokens if self.speculative else 0

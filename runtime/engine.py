@@ -1,0 +1,199 @@
+"""LLMEngine: the step API (add_request / step / abort_request / stats)."""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+from rung.models.loader import LoadedModel, load_model
+from rung.runtime.config import EngineConfig
+from rung.runtime.kv_cache_manager import KVCacheManager
+from rung.runtime.model_runner import ModelRunner
+from rung.runtime.outputs import CompletionOutput, RequestOutput
+from rung.runtime.request import Request
+from rung.runtime.sampling_params import SamplingParams
+from rung.runtime.scheduler import Scheduler
+
+Prompt = str | dict
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.loaded: LoadedModel = load_model(config.model, config.dtype, str(config.device),
+                                              config.load_format, config.seed)
+        self.tokenizer = self.loaded.tokenizer
+        model_max = int(self.loaded.config.get("max_position_embeddings", 2048))
+        self.max_model_len = config.max_model_len or model_max
+        if self.max_model_len > model_max:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={model_max}")
+        self.runner = ModelRunner(config, self.loaded, self.max_model_len)
+        self.kv = KVCacheManager(self.runner.kv_groups, self.runner.num_blocks)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = 0
+        self._stats: collections.Counter = collections.Counter()
+        self.graph_replays: collections.Counter = collections.Counter()
+        self.proposer = None
+        if not config.enforce_eager:
+            from rung.graphs.manager import GraphManager
+
+            self.runner.graphs = GraphManager.for_runner(self.runner, config)
+            self.runner.graphs.capture_all()
+
+    # --- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
+                    ) -> None:
+        """Validate and queue one request. Bad input raises ValueError and leaves the
+        engine untouched."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = self.loaded.config.get("eos_token_id")
+            eos = eos[0] if isinstance(eos, list) else eos
+        self._check_params(params)
+        req = Request(request_id, text, token_ids, params, eos, self._arrivals)
+        self._arrivals += 1
+        self.requests[request_id] = req
+        self.scheduler.add_request(req)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.config.model!r} has no tokenizer.json: pass "
+                                 "{'prompt_token_ids': [...]} instead of text")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of ints")
+            return prompt.get("prompt"), list(ids)
+        raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got "
+                         f"{type(prompt).__name__}")
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty: it must hold at least 1 token")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, longer than "
+                             f"max_model_len={self.max_model_len}")
+        vocab = self.runner.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab})")
+
+    def _check_params(self, params: SamplingParams) -> None:
+        params._check()
+        vocab = self.runner.vocab_size
+        for t in params.stop_token_ids:
+            if not 0 <= t < vocab:
+                raise ValueError(f"stop token id {t} is out of the vocabulary [0, {vocab})")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k={params.top_k} exceeds the vocabulary size {vocab}")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.is_finished:
+            self._finish(req, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- stepping -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        outputs = [self._finish(req, "error") for req in sched.errored]
+        self._stats["preemptions"] += len(sched.preempted)
+        if not sched.scheduled:
+            return outputs
+        block_ids = [self.kv.block_ids(s.request.request_id) for s in sched.scheduled]
+        start = time.perf_counter()
+        result = self.runner.execute(sched, block_ids)
+        self._stats["step_time_s"] += time.perf_counter() - start
+        self._count_step()
+        for s in sched.scheduled:
+            req = s.request
+            new = result.sampled.get(req.request_id, [])
+            req.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens
+            req.spec_token_ids = []
+            if new:
+                outputs.append(self._append(req, new, result.logprobs.get(req.request_id)))
+        if self.proposer is not None:
+            self.proposer.propose_for(sched, result)
+        return outputs
+
+    def _count_step(self) -> None:
+        desc = self.runner.last_desc
+        if desc.mode.value == "none":
+            self._stats["eager_steps"] += 1
+        else:
+            self.graph_replays[f"{desc.mode.name}:{desc.num_tokens_padded}"] += 1
+
+    def _append(self, req: Request, new: list[int], logprobs: list | None) -> RequestOutput:
+        for i, token in enumerate(new):
+            req.token_ids.append(token)
+            if logprobs is not None and req.logprobs is not None:
+                req.logprobs.append(logprobs[i])
+                req.cumulative_logprob += logprobs[i][token].logprob
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                req.finish_reason = reason
+                if reason == "stop" and token != req.eos_token_id:
+                    req.stop_reason = token
+                break
+        if req.finish_reason is not None:
+            return self._finish(req, req.finish_reason)
+        return self._output(req)
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        n_out = req.num_output_tokens
+        if n_out >= p.min_tokens:
+            if token == req.eos_token_id and not p.ignore_eos:
+                return "stop"
+            if token in p.stop_token_ids:
+                return "stop"
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return "length"
+        if req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str) -> RequestOutput:
+        self.scheduler.finish(req, reason)
+        self._stats[f"finished_{req.finish_reason}"] += 1
+        out = self._output(req)
+        del self.requests[req.request_id]
+        return out
+
+    def _output(self, req: Request) -> RequestOutput:
+        ids = req.output_token_ids
+        text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+        completion = CompletionOutput(0, text, list(ids),
+                                      req.cumulative_logprob if req.logprobs is not None
+                                      else None,
+                                      list(req.logprobs) if req.logprobs is not None else None,
+                                      req.finish_reason, req.stop_reason)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
+                             req.is_finished)
+
+    def stats(self) -> dict[str, Any]:
+        s = {"kv_free_blocks": self.kv.num_free_blocks,
+             "kv_total_blocks": self.kv.num_total_blocks,
+             "eager_steps": self._stats["eager_steps"],
+             "graph_replays": dict(self.graph_replays),
+             "preemptions": self._stats["preemptions"],
+             "num_running": len(self.scheduler.running),
+             "num_waiting": len(self.scheduler.waiting)}
+        if self.proposer is not None:
+            s["spec"] = self.proposer.stats()
+        return s

@@ -1,0 +1,149 @@
+"""Persistent input buffers, allocated once at the maximum size, sliced by descriptors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from rung.runtime.attention_metadata import CommonAttentionMetadata
+from rung.runtime.descriptor import BatchExecutionDescriptor
+from rung.runtime.kv_cache_manager import NULL_BLOCK
+from rung.runtime.scheduler import SchedulerOutput
+
+
+@dataclasses.dataclass
+class BatchLayout:
+    """What `prepare` learned about the real batch."""
+
+    num_reqs: int
+    num_tokens: int
+    uniform_query_len: int | None
+    max_query_len: int
+    max_seq_len: int
+    logits_indices: np.ndarray   # [num_logits] int64: token rows whose logits are sampled
+    num_logits_per_req: list[int]  # 0 (prefill chunk), 1, or 1 + num_spec_tokens
+
+
+class _HostDevicePair:
+    """A numpy host buffer and the device tensor graphs read (the same memory on CPU)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, device: torch.device) -> None:
+        self.np = np.zeros(shape, dtype=dtype)
+        host = torch.from_numpy(self.np)
+        self.gpu = host if device.type == "cpu" else torch.empty_like(host, device=device)
+
+    def sync(self, rows: int) -> torch.Tensor:
+        if self.gpu.device.type != "cpu":
+            self.gpu[:rows].copy_(torch.from_numpy(self.np[:rows]), non_blocking=True)
+        return self.gpu[:rows]
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int,
+                 num_kv_groups: int, block_size: int, device: torch.device) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_num_tokens = max_num_tokens
+        self.block_size = block_size
+        pair = lambda shape, dt: _HostDevicePair(shape, dt, device)
+        self.input_ids = pair((max_num_tokens,), np.int64)        # [max_num_tokens]
+        self.positions = pair((max_num_tokens,), np.int64)        # [max_num_tokens]
+        self.query_start_loc = pair((max_num_reqs + 1,), np.int32)  # [max_num_reqs + 1]
+        self.seq_lens = pair((max_num_reqs,), np.int32)           # [max_num_reqs]
+        self.block_tables = [pair((max_num_reqs, max_blocks_per_req), np.int32)
+                             for _ in range(num_kv_groups)]       # per group
+        self.slot_mappings = [pair((max_num_tokens,), np.int64)
+                              for _ in range(num_kv_groups)]      # per group, -1 for pads
+        self._num_reqs = self._num_tokens = 0
+
+    def poison(self, rng: np.random.Generator, vocab_size: int, num_blocks: int) -> None:
+        """Fill every buffer with garbage, so a pad value `pad()` forgets shows up."""
+        self.input_ids.np[:] = rng.integers(0, vocab_size, self.max_num_tokens)
+        self.positions.np[:] = rng.integers(0, 1 << 20, self.max_num_tokens)
+        self.query_start_loc.np[:] = rng.integers(0, 1 << 20, self.max_num_reqs + 1)
+        self.seq_lens.np[:] = rng.integers(1, 1 << 20, self.max_num_reqs)
+        for bt in self.block_tables:
+            bt.np[:] = rng.integers(1, max(num_blocks, 2), bt.np.shape)
+        for sm in self.slot_mappings:
+            sm.np[:] = rng.integers(0, 1 << 20, self.max_num_tokens)
+
+    def prepare(self, sched: SchedulerOutput, block_ids: list[list[list[int]]]) -> BatchLayout:
+        """Write the real rows. ``block_ids[i][g]``: request i's blocks in group g."""
+        num_reqs, num_tokens = sched.num_reqs, sched.num_tokens
+        assert num_reqs <= self.max_num_reqs and num_tokens <= self.max_num_tokens, (
+            f"batch of {num_reqs} requests / {num_tokens} tokens exceeds buffers "
+            f"{self.max_num_reqs} / {self.max_num_tokens}")
+        counts = np.fromiter((s.num_new_tokens for s in sched.scheduled), np.int64, num_reqs)
+        starts = np.fromiter((s.request.num_computed_tokens for s in sched.scheduled),
+                             np.int64, num_reqs)
+        qsl = self.query_start_loc.np
+        qsl[0] = 0
+        np.cumsum(counts, out=qsl[1:num_reqs + 1])
+        self.seq_lens.np[:num_reqs] = starts + counts
+        for i, s in enumerate(sched.scheduled):
+            req, start, end = s.request, int(qsl[i]), int(qsl[i + 1])
+            first = req.num_computed_tokens
+            known = req.token_ids[first:first + s.num_new_tokens - s.num_spec_tokens]
+            self.input_ids.np[start:start + len(known)] = known
+            if s.num_spec_tokens:
+                self.input_ids.np[start + len(known):end] = req.spec_token_ids
+            for g, blocks in enumerate(block_ids[i]):
+                row = self.block_tables[g].np[i]
+                row[:len(blocks)] = blocks
+                row[len(blocks):] = NULL_BLOCK
+        req_of_token = np.repeat(np.arange(num_reqs), counts)       # [num_tokens]
+        positions = np.arange(num_tokens) - qsl[req_of_token] + starts[req_of_token]
+        self.positions.np[:num_tokens] = positions
+        for g, bt in enumerate(self.block_tables):
+            block = bt.np[req_of_token, positions // self.block_size].astype(np.int64)
+            offset = positions % self.block_size
+            self.slot_mappings[g].np[:num_tokens] = block * self.block_size + offset
+        self._num_reqs, self._num_tokens = num_reqs, num_tokens
+        return self._layout(sched, counts, qsl)
+
+    def _layout(self, sched: SchedulerOutput, counts: np.ndarray, qsl: np.ndarray) -> BatchLayout:
+        num_reqs = sched.num_reqs
+        num_logits = [(1 + s.num_spec_tokens) if s.samples else 0 for s in sched.scheduled]
+        ends = qsl[1:num_reqs + 1]
+        logits_indices = np.concatenate(
+            [np.arange(int(e) - n, int(e)) for e, n in zip(ends, num_logits) if n] or
+            [np.zeros(0, np.int64)]).astype(np.int64)
+        uniform = int(counts[0]) if num_reqs and bool((counts == counts[0]).all()) else None
+        return BatchLayout(num_reqs, sched.num_tokens, uniform, int(counts.max(initial=0)),
+                           int(self.seq_lens.np[:num_reqs].max(initial=0)), logits_indices,
+                           num_logits)
+
+    def pad(self, desc: BatchExecutionDescriptor) -> None:
+        """Write the contract's safe values into pad rows and copy to the device."""
+        n, n_pad = desc.num_reqs, desc.num_reqs_padded
+        t, t_pad = desc.num_tokens, desc.num_tokens_padded
+        assert (n, t) == (self._num_reqs, self._num_tokens), "pad() for another batch"
+        self.query_start_loc.np[n + 1:n_pad + 1] = t    # zero-length pads keep it flat
+        self.seq_lens.np[n:n_pad] = 0
+        self.input_ids.np[t:t_pad] = 0
+        self.positions.np[t:t_pad] = 0
+        for bt, sm in zip(self.block_tables, self.slot_mappings):
+            bt.np[n:n_pad] = NULL_BLOCK
+            sm.np[t:t_pad] = -1
+        self.input_ids.sync(t_pad)
+        self.positions.sync(t_pad)
+        self.query_start_loc.sync(n_pad + 1)
+        self.seq_lens.sync(n_pad)
+        for bt, sm in zip(self.block_tables, self.slot_mappings):
+            bt.sync(n_pad)
+            sm.sync(t_pad)
+
+    def common_metadata(self, desc: BatchExecutionDescriptor, layout: BatchLayout,
+                        max_model_len: int) -> list[CommonAttentionMetadata]:
+        """One CommonAttentionMetadata per KV cache group, views sliced by ``desc``."""
+        n_pad, t_pad = desc.num_reqs_padded, desc.num_tokens_padded
+        full_graph = desc.mode.value == "full"
+        # NOTE: under a FULL graph the kernel must read up to max_model_len keys: the
+        # same graph replays for every later (longer) batch of this size.
+        max_seq_len = max_model_len if full_graph else layout.max_seq_len
+        max_query_len = t_pad if full_graph else layout.max_query_len
+        return [CommonAttentionMetadata(desc, self.query_start_loc.gpu[:n_pad + 1],
+                                        self.seq_lens.gpu[:n_pad], bt.gpu[:n_pad],
+                                        sm.gpu[:t_pad], self.block_size, max_query_len,
+                                        max_seq_len)
+                for bt, sm in zip(self.block_tables, self.slot_mappings)]

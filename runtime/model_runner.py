@@ -1,0 +1,163 @@
+"""ModelRunner: scheduler output -> descriptor -> metadata -> forward -> sampled tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import torch
+from rung.kernels.attention import Attention
+from rung.kernels.backend import kv_cache_shape
+from rung.kernels.selector import select_backend
+from rung.models.loader import LoadedModel
+from rung.runtime.attention_groups import build_attention_groups
+from rung.runtime.attention_metadata import CommonAttentionMetadata, validate
+from rung.runtime.config import EngineConfig
+from rung.runtime.descriptor import BatchExecutionDescriptor
+from rung.runtime.forward_context import ForwardContext, forward_context
+from rung.runtime.input_batch import BatchLayout, InputBatch
+from rung.runtime.kv_cache_spec import KVCacheGroup, KVCacheSpec, group_layers_by_spec
+from rung.runtime.outputs import Logprob
+from rung.runtime.sampler import Sampler, token_logprobs
+from rung.runtime.scheduler import SchedulerOutput
+
+_CPU_KV_BUDGET_BYTES = 2 << 30
+
+
+@dataclasses.dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, list[int]]                    # request id -> new tokens (maybe none)
+    logprobs: dict[str, list[dict[int, Logprob]]]    # request id -> one dict per new token
+
+
+def find_attention_layers(model: torch.nn.Module) -> dict[str, Attention]:
+    return {m.layer_name: m for m in model.modules() if isinstance(m, Attention)}
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> None:
+        self.config = config
+        self.model = loaded.model
+        self.device = config.device
+        self.max_model_len = max_model_len
+        self.vocab_size = loaded.config["vocab_size"]
+        self.backend = select_backend(config.attention_backend, config.device)
+        self.layers = find_attention_layers(self.model)
+        self._init_kv_groups()
+        self.num_blocks = self._num_blocks()
+        self._bind_kv_caches()
+        max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.input_batch = InputBatch(config.max_num_seqs, max_num_tokens,
+                                      math.ceil(max_model_len / config.block_size),
+                                      len(self.kv_groups), config.block_size, config.device)
+        self.sampler = Sampler(config.seed)
+        self.graphs = None          # set by the engine when graphs are on
+        self._poison_rng = np.random.default_rng(config.seed)
+        self.last_hidden: torch.Tensor | None = None   # [num_tokens_padded, hidden]
+
+    # --- set-up -----------------------------------------------------------------------
+    def _init_kv_groups(self) -> None:
+        cfg = self.config
+        for layer in self.layers.values():
+            self.backend.validate_layer(layer.spec, layer.kv_spec(cfg.block_size, cfg.dtype))
+        own = {n: layer.kv_spec(cfg.block_size, cfg.dtype)
+               for n, layer in self.layers.items() if layer.kv_sharing_target is None}
+        self.kv_groups: list[KVCacheGroup] = group_layers_by_spec(own)
+        self.layer_kv_group = {n: g.group_id for g in self.kv_groups for n in g.layer_names}
+        for name, layer in self.layers.items():
+            if layer.kv_sharing_target is not None:
+                self.layer_kv_group[name] = self.layer_kv_group[layer.kv_sharing_target]
+        specs = {g.group_id: g.spec for g in self.kv_groups}
+        self.attn_groups = build_attention_groups(self.layers, self.layer_kv_group, specs,
+                                                  self.backend, self.device)
+
+    def _num_blocks(self) -> int:
+        if self.config.num_gpu_blocks_override is not None:
+            if self.config.num_gpu_blocks_override < 1:
+                raise ValueError(f"num_gpu_blocks_override="
+                                 f"{self.config.num_gpu_blocks_override} must be >= 1")
+            return self.config.num_gpu_blocks_override + 1
+        per_seq = math.ceil(self.max_model_len / self.config.block_size)
+        wanted = self.config.max_num_seqs * per_seq
+        bytes_per_block = sum(g.spec.page_size_bytes * len(g.layer_names) for g in self.kv_groups)
+        if self.device.type == "cuda":
+            budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.5)
+        else:
+            budget = _CPU_KV_BUDGET_BYTES
+        return max(min(wanted, budget // bytes_per_block), per_seq) + 1
+
+    def _bind_kv_caches(self) -> None:
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        for group in self.kv_groups:
+            shape = kv_cache_shape(group.spec, self.num_blocks)
+            for name in group.layer_names:
+                self.kv_caches[name] = torch.zeros(shape, dtype=group.spec.dtype,
+                                                   device=self.device)
+        for name, layer in self.layers.items():
+            layer.bind(self.backend, self.kv_caches[layer.kv_sharing_target or name])
+
+    def kv_specs(self) -> list[KVCacheSpec]:
+        return [g.spec for g in self.kv_groups]
+
+    # --- one step -----------------------------------------------------------------------
+    def dispatch(self, layout: BatchLayout) -> BatchExecutionDescriptor:
+        if self.graphs is None:
+            return BatchExecutionDescriptor.eager(layout.num_reqs, layout.num_tokens,
+                                                  layout.uniform_query_len)
+        return self.graphs.dispatch(layout.num_reqs, layout.num_tokens,
+                                    layout.uniform_query_len)
+
+    def build_metadata(self, desc: BatchExecutionDescriptor, layout: BatchLayout
+                       ) -> tuple[list[CommonAttentionMetadata], dict[str, object]]:
+        commons = self.input_batch.common_metadata(desc, layout, self.max_model_len)
+        for common in commons:
+            validate(common, check_values=self.config.debug_padding)
+        per_layer: dict[str, object] = {}
+        for group in self.attn_groups:
+            meta = group.builder.build(commons[group.kv_group_id])
+            for name in group.layer_names:
+                per_layer[name] = meta
+        return commons, per_layer
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_ids: list[list[list[int]]]
+                ) -> ModelRunnerOutput:
+        if self.config.debug_padding:
+            self.input_batch.poison(self._poison_rng, self.vocab_size, self.num_blocks)
+        layout = self.input_batch.prepare(sched, block_ids)
+        desc = self.dispatch(layout)
+        self.last_desc = desc
+        self.input_batch.pad(desc)
+        hidden = self.forward(desc, layout)
+        return self._sample(sched, layout, hidden)
+
+    def forward(self, desc: BatchExecutionDescriptor, layout: BatchLayout) -> torch.Tensor:
+        """Run the target model on the prepared, padded batch -> hidden [num_tokens_padded, H]."""
+        _, attn_metadata = self.build_metadata(desc, layout)
+        ids = self.input_batch.input_ids.gpu[:desc.num_tokens_padded]
+        positions = self.input_batch.positions.gpu[:desc.num_tokens_padded]
+        with forward_context(ForwardContext(desc, attn_metadata, self.layers)):
+            if self.graphs is None:
+                hidden = self.model(ids, positions)
+            else:
+                hidden = self.graphs.run(desc, ids, positions)
+        self.last_hidden = hidden
+        return hidden
+
+    def _sample(self, sched: SchedulerOutput, layout: BatchLayout,
+                hidden: torch.Tensor) -> ModelRunnerOutput:
+        out = ModelRunnerOutput({}, {})
+        rows = torch.from_numpy(layout.logits_indices).to(self.device)
+        logits = self.model.compute_logits(hidden[rows])          # [num_logits, vocab]
+        sampling = [s.request for s, n in zip(sched.scheduled, layout.num_logits_per_req) if n]
+        tokens = self.sampler(logits, sampling) if sampling else logits.new_zeros(0).long()
+        lps = token_logprobs(logits, tokens, [r.params.logprobs for r in sampling])
+        token_list = tokens.tolist()
+        for s in sched.scheduled:
+            out.sampled[s.request.request_id] = []
+        for i, req in enumerate(sampling):
+            out.sampled[req.request_id] = [token_list[i]]
+            if lps[i] is not None:
+                out.logprobs[req.request_id] = [lps[i]]
+        return out

@@ -1,0 +1,45 @@
+"""SamplingParams, vLLM's names and defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    temperature: float = 1.0        # 0 -> greedy
+    top_k: int = 0                  # 0 or -1 -> all tokens
+    top_p: float = 1.0
+    seed: int | None = None         # per-request generator, independent of the batch
+    max_tokens: int | None = 16     # None -> up to max_model_len
+    min_tokens: int = 0             # EOS and stop tokens are masked before this many
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None     # top-N logprobs per sampled token (plus the sampled one)
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check()
+
+    def _check(self) -> None:
+        _require(self.temperature >= 0, "temperature", self.temperature, ">= 0")
+        _require(self.top_k >= 0, "top_k", self.top_k, ">= 0 (or -1 for all)")
+        _require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        if self.max_tokens is not None:
+            _require(self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
+            _require(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                     f"<= max_tokens ({self.max_tokens})")
+        _require(self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
+        if self.logprobs is not None:
+            _require(self.logprobs >= 0, "logprobs", self.logprobs, ">= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+def _require(ok: bool, name: str, value: object, limit: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name}={value!r} is invalid: must be {limit}")

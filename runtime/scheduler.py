@@ -1,0 +1,120 @@
+"""Continuous batching with chunked prefill, mixed batches, preemption by recompute."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from rung.runtime.kv_cache_manager import KVCacheManager
+from rung.runtime.request import Request, RequestStatus
+
+
+@dataclasses.dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int        # tokens to run this step, drafts included
+    num_spec_tokens: int = 0   # drafts among them (verified this step)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step produces a token (the chunk reaches the last known token)."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens - self.num_spec_tokens >= r.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_tokens: int
+    preempted: list[str]
+    errored: list[Request]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+
+    def add_request(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        out = SchedulerOutput([], 0, [], [])
+        for req in list(self.running):
+            if budget == 0 or req not in self.running:
+                continue
+            num_new = self._num_new_tokens(req, budget)
+            if self._allocate_or_preempt(req, num_new, out):
+                out.scheduled.append(ScheduledRequest(req, num_new, len(req.spec_token_ids)))
+                budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            num_new = self._num_new_tokens(req, budget)
+            if not self.kv.allocate(req.request_id, req.num_computed_tokens + num_new):
+                if not self.running:       # alone and still too big: it can never run
+                    self.waiting.popleft()
+                    out.errored.append(req)
+                    continue
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new, len(req.spec_token_ids)))
+            budget -= num_new
+        out.num_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        return out
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        pending = req.num_tokens - req.num_computed_tokens
+        if pending == 1 and req.spec_token_ids:
+            # NOTE: drafts are verified whole or not at all, so a uniform batch stays uniform
+            num_spec = len(req.spec_token_ids)
+            if 1 + num_spec <= budget:
+                return 1 + num_spec
+            req.spec_token_ids = []
+        return min(pending, budget)
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv.allocate(req.request_id, req.num_computed_tokens + num_new):
+            victim = self.running[-1]
+            if victim is req and len(self.running) == 1:
+                self.running.remove(req)
+                self.kv.free(req.request_id)
+                out.errored.append(req)
+                return False
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = req.finish_reason or reason
