@@ -20,7 +20,7 @@ class CUDAGraphMode(enum.Enum):
     FULL_AND_PIECEWISE = "full_and_piecewise"
 
     @classmethod
-    def parse(cls, value: "str | CUDAGraphMode") -> "CUDAGraphMode":
+    def parse(cls, value: str | CUDAGraphMode) -> CUDAGraphMode:
         if isinstance(value, CUDAGraphMode):
             return value
         try:
@@ -29,14 +29,14 @@ class CUDAGraphMode(enum.Enum):
             names = ", ".join(m.value for m in cls)
             raise ValueError(f"unknown cudagraph mode {value!r}; expected one of {names}") from None
 
-    def decode_mode(self) -> "CUDAGraphMode":
+    def decode_mode(self) -> CUDAGraphMode:
         """Runtime mode for uniform (decode / spec-verify) batches."""
         if self in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY,
                     CUDAGraphMode.FULL_AND_PIECEWISE):
             return CUDAGraphMode.FULL
         return self
 
-    def mixed_mode(self) -> "CUDAGraphMode":
+    def mixed_mode(self) -> CUDAGraphMode:
         """Runtime mode for mixed prefill + decode batches."""
         if self in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE):
             return CUDAGraphMode.PIECEWISE

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
 from rung.kernels.attention import Attention
 from rung.kernels.backend import AttentionBackend, AttentionMetadataBuilder
 from rung.runtime.kv_cache_spec import KVCacheSpec

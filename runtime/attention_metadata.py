@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
 from rung.runtime.descriptor import BatchExecutionDescriptor
 
 

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 import torch
+
 from rung.graphs.mode import CUDAGraphMode
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import torch
+
 from rung.runtime.attention_metadata import CommonAttentionMetadata
 from rung.runtime.descriptor import BatchExecutionDescriptor
 from rung.runtime.kv_cache_manager import NULL_BLOCK
@@ -100,6 +101,12 @@ class InputBatch:
             self.slot_mappings[g].np[:num_tokens] = block * self.block_size + offset
         self._num_reqs, self._num_tokens = num_reqs, num_tokens
         return self._layout(sched, counts, qsl)
+
+    def prepare_empty(self) -> BatchLayout:
+        """A batch of no real request (graph capture)."""
+        self.query_start_loc.np[0] = 0
+        self._num_reqs = self._num_tokens = 0
+        return BatchLayout(0, 0, None, 0, 0, np.zeros(0, np.int64), [])
 
     def _layout(self, sched: SchedulerOutput, counts: np.ndarray, qsl: np.ndarray) -> BatchLayout:
         num_reqs = sched.num_reqs

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+
 from rung.runtime.config import CompilationConfig, EngineConfig, SpeculativeConfig, parse_dtype
 from rung.runtime.engine import LLMEngine, Prompt
 from rung.runtime.outputs import RequestOutput

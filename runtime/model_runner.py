@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import torch
+
 from rung.kernels.attention import Attention
 from rung.kernels.backend import kv_cache_shape
 from rung.kernels.selector import select_backend
@@ -134,16 +135,28 @@ class ModelRunner:
 
     def forward(self, desc: BatchExecutionDescriptor, layout: BatchLayout) -> torch.Tensor:
         """Run the target model on the prepared, padded batch -> hidden [num_tokens_padded, H]."""
-        _, attn_metadata = self.build_metadata(desc, layout)
-        ids = self.input_batch.input_ids.gpu[:desc.num_tokens_padded]
-        positions = self.input_batch.positions.gpu[:desc.num_tokens_padded]
-        with forward_context(ForwardContext(desc, attn_metadata, self.layers)):
+        ids, positions, ctx = self._inputs(desc, layout)
+        with forward_context(ctx):
             if self.graphs is None:
                 hidden = self.model(ids, positions)
             else:
                 hidden = self.graphs.run(desc, ids, positions)
         self.last_hidden = hidden
         return hidden
+
+    def _inputs(self, desc: BatchExecutionDescriptor, layout: BatchLayout
+                ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        _, attn_metadata = self.build_metadata(desc, layout)
+        ids = self.input_batch.input_ids.gpu[:desc.num_tokens_padded]
+        positions = self.input_batch.positions.gpu[:desc.num_tokens_padded]
+        return ids, positions, ForwardContext(desc, attn_metadata, self.layers)
+
+    def dummy_batch(self, desc: BatchExecutionDescriptor
+                    ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        """Inputs of a capture batch: every row a pad."""
+        layout = self.input_batch.prepare_empty()
+        self.input_batch.pad(desc)
+        return self._inputs(desc, layout)
 
     def _sample(self, sched: SchedulerOutput, layout: BatchLayout,
                 hidden: torch.Tensor) -> ModelRunnerOutput:

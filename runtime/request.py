@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 import torch
+
 from rung.runtime.sampling_params import SamplingParams
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from rung.runtime.outputs import Logprob
 from rung.runtime.request import Request
 

@@ -1,0 +1,84 @@
+"""Dispatcher: (num_reqs, num_tokens, uniform_query_len) -> BatchExecutionDescriptor."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+from rung.graphs.mode import CUDAGraphMode, GraphSupport
+from rung.runtime.descriptor import BatchExecutionDescriptor
+
+logger = logging.getLogger("rung.graphs")
+
+
+def downgrade(mode: CUDAGraphMode, support: GraphSupport, backend_name: str) -> CUDAGraphMode:
+    """The closest policy an attention backend with ``support`` can run."""
+    if support == GraphSupport.NEVER and mode.has_full():
+        new = CUDAGraphMode.PIECEWISE if mode != CUDAGraphMode.FULL_DECODE_ONLY else (
+            CUDAGraphMode.NONE)
+    elif support == GraphSupport.UNIFORM_BATCH and mode == CUDAGraphMode.FULL:
+        new = CUDAGraphMode.FULL_AND_PIECEWISE
+    else:
+        return mode
+    logger.warning("attention backend %s supports graph capture only for %s; cudagraph_mode "
+                   "%s downgraded to %s", backend_name, support.name, mode.name, new.name)
+    return new
+
+
+class Dispatcher:
+    def __init__(self, mode: CUDAGraphMode, sizes: list[int], max_num_reqs: int,
+                 decode_query_len: int = 1) -> None:
+        self.mode = mode
+        self.sizes = sizes
+        self.max_num_reqs = max_num_reqs
+        self.decode_query_len = decode_query_len   # 1, or 1 + k under spec decode
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        i = bisect.bisect_left(self.sizes, num_tokens)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def is_uniform_decode(self, uniform_query_len: int | None) -> bool:
+        return uniform_query_len == self.decode_query_len
+
+    def runtime_mode(self, uniform_query_len: int | None) -> CUDAGraphMode:
+        if self.is_uniform_decode(uniform_query_len):
+            return self.mode.decode_mode()
+        return self.mode.mixed_mode()
+
+    def dispatch(self, num_reqs: int, num_tokens: int,
+                 uniform_query_len: int | None) -> BatchExecutionDescriptor:
+        eager = BatchExecutionDescriptor.eager(num_reqs, num_tokens, uniform_query_len)
+        mode = self.runtime_mode(uniform_query_len)
+        size = self.padded_size(num_tokens)
+        if mode == CUDAGraphMode.NONE or size is None:
+            return eager       # above the largest captured size: run eagerly, never crash
+        if mode == CUDAGraphMode.PIECEWISE:
+            return eager.with_graph(mode, num_reqs, size)
+        return eager.with_graph(mode, self.full_graph_rows(size, uniform_query_len), size)
+
+    def full_graph_rows(self, size: int, uniform_query_len: int | None) -> int:
+        """Request rows a FULL graph of ``size`` tokens is captured with."""
+        if self.is_uniform_decode(uniform_query_len):
+            return size // self.decode_query_len
+        return min(size, self.max_num_reqs)
+
+    def capture_descriptors(self) -> list[BatchExecutionDescriptor]:
+        """Every graph to capture: PIECEWISE before FULL, largest size first.
+
+        Capture batches hold no real request: every row is a pad.
+        """
+        out: dict[tuple, BatchExecutionDescriptor] = {}
+        full_uniform = [u for u in (self.decode_query_len, None)
+                        if self.runtime_mode(u) == CUDAGraphMode.FULL]
+        if self.mode.mixed_mode() == CUDAGraphMode.PIECEWISE:
+            for size in reversed(self.sizes):
+                # NOTE: piecewise graphs depend on the token count only; one pad row
+                # keeps the eager attention between pieces well-formed.
+                desc = BatchExecutionDescriptor(CUDAGraphMode.PIECEWISE, 0, 1, 0, size)
+                out[(desc.mode, size)] = desc
+        for uniform in full_uniform:
+            for size in reversed(self.sizes):
+                rows = self.full_graph_rows(size, uniform)
+                out.setdefault((CUDAGraphMode.FULL, size, rows),
+                               BatchExecutionDescriptor(CUDAGraphMode.FULL, 0, rows, 0, size))
+        return list(out.values())
