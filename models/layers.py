@@ -56,6 +56,22 @@ def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None) -> to
     raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
 
 
+def proportional_inv_freq(head_dim: int, base: float, partial_rotary_factor: float,
+                          factor: float = 1.0) -> torch.Tensor:
+    """inv_freq [head_dim // 2] fp32 of HF's "proportional" RoPE (Gemma 4 full layers).
+
+    The first ``int(partial_rotary_factor * head_dim // 2)`` frequencies follow the default
+    schedule with exponents over the WHOLE head_dim; the rest are 0 (cos 1, sin 0).
+    NOTE: use it with rotary_dim == head_dim: dim i still pairs with i + head_dim // 2,
+    unlike partial RoPE over a prefix of the head.
+    """
+    rope_angles = int(partial_rotary_factor * head_dim // 2)
+    exponents = torch.arange(0, 2 * rope_angles, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (base ** exponents)                                   # [rope_angles]
+    zeros = torch.zeros(head_dim // 2 - rope_angles, dtype=torch.float32)
+    return torch.cat((inv_freq, zeros)) / factor
+
+
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s["original_max_position_embeddings"]

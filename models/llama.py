@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from rung.kernels.attention import Attention
 from rung.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, rope_inv_freq
 from rung.models.weights import WeightStream, check_all_loaded, load_named_weights
-from torch import nn
 
 STACKED = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
            ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]

@@ -8,12 +8,13 @@ import os
 from typing import Any
 
 import torch
+from torch import nn
+
 from rung.models.layers import init_random_weights
 from rung.models.presets import PRESETS
 from rung.models.registry import model_class
 from rung.models.tokenizer import ByteTokenizer, load_tokenizer
 from rung.models.weights import iterate_safetensors
-from torch import nn
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 

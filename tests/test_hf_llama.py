@@ -3,8 +3,9 @@
 import pytest
 import torch
 from hf_oracle import assert_matches_hf, random_prompts, save_hf_model
-from rung.runtime import LLM, SamplingParams
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from rung.runtime import LLM, SamplingParams
 
 NUM_TOKENS = 32
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
