@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any
+from typing import Any, Callable
 
 from rung.models.loader import LoadedModel, load_model
 from rung.runtime.config import EngineConfig
@@ -19,7 +19,7 @@ Prompt = str | dict
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, capture_progress: Callable | None = None) -> None:
         self.config = config
         self.loaded: LoadedModel = load_model(config.model, config.dtype, str(config.device),
                                               config.load_format, config.seed)
@@ -42,7 +42,7 @@ class LLMEngine:
             from rung.graphs.manager import GraphManager
 
             self.runner.graphs = GraphManager.for_runner(self.runner, config)
-            self.runner.graphs.capture_all()
+            self.runner.graphs.capture_all(capture_progress)
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None

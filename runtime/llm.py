@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -22,7 +22,8 @@ class LLM:
                  attention_backend: str = "auto",
                  speculative_config: dict[str, Any] | None = None,
                  load_format: str = "auto", num_gpu_blocks_override: int | None = None,
-                 debug_padding: bool | None = None) -> None:
+                 debug_padding: bool | None = None,
+                 capture_progress: Callable | None = None) -> None:
         dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
                            if device == "auto" else device)
         if dev.type == "cuda" and not torch.cuda.is_available():
@@ -39,7 +40,7 @@ class LLM:
             load_format=load_format)
         if debug_padding is not None:
             config.debug_padding = debug_padding
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, capture_progress)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
