@@ -66,6 +66,8 @@ class LLMEngine:
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: it must hold at least 1 token")
             if self.tokenizer is None:
                 raise ValueError(f"model {self.config.model!r} has no tokenizer.json: pass "
                                  "{'prompt_token_ids': [...]} instead of text")

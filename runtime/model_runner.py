@@ -163,6 +163,7 @@ class ModelRunner:
         out = ModelRunnerOutput({}, {})
         rows = torch.from_numpy(layout.logits_indices).to(self.device)
         logits = self.model.compute_logits(hidden[rows])          # [num_logits, vocab]
+        self.last_logits = logits
         sampling = [s.request for s, n in zip(sched.scheduled, layout.num_logits_per_req) if n]
         tokens = self.sampler(logits, sampling) if sampling else logits.new_zeros(0).long()
         lps = token_logprobs(logits, tokens, [r.params.logprobs for r in sampling])
