@@ -95,4 +95,9 @@ def compile_model(model: nn.Module, manager: Any, piece_compiler: str) -> Callab
     # NOTE: unspecialized Python floats (norm eps, scales) would become fresh 0-d tensors
     # on every call, which no captured graph can read from a stable address.
     torch._dynamo.config.specialize_float = True
+    # NOTE: each engine's model is a new `self` for the same forward code object, so every
+    # engine built in one process adds a cache entry; tests build dozens.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4096)
+    torch._dynamo.config.accumulated_recompile_limit = max(
+        torch._dynamo.config.accumulated_recompile_limit, 4096)
     return torch.compile(model, backend=backend, dynamic=True, fullgraph=True)

@@ -1,8 +1,24 @@
-"""rung.runtime: the public API."""
+"""rung.runtime: the public API (`LLM`, `LLMEngine`, `SamplingParams`, outputs).
 
-from rung.runtime.engine import LLMEngine
-from rung.runtime.llm import LLM
-from rung.runtime.outputs import CompletionOutput, Logprob, RequestOutput
-from rung.runtime.sampling_params import SamplingParams
+Names resolve lazily so importing a submodule (e.g. `rung.runtime.descriptor` from a
+kernel) never drags the whole engine in.
+"""
 
-__all__ = ["LLM", "CompletionOutput", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams"]
+import importlib
+
+_EXPORTS = {
+    "LLM": "rung.runtime.llm",
+    "LLMEngine": "rung.runtime.engine",
+    "SamplingParams": "rung.runtime.sampling_params",
+    "RequestOutput": "rung.runtime.outputs",
+    "CompletionOutput": "rung.runtime.outputs",
+    "Logprob": "rung.runtime.outputs",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'rung.runtime' has no attribute {name!r}")

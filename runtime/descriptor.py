@@ -40,8 +40,6 @@ class BatchExecutionDescriptor:
             assert self.num_tokens == self.num_reqs * self.uniform_query_len, (
                 f"uniform query len {self.uniform_query_len} x {self.num_reqs} requests "
                 f"!= {self.num_tokens} tokens")
-            assert self.num_tokens_padded == self.num_reqs_padded * self.uniform_query_len or (
-                self.mode != CUDAGraphMode.FULL), "FULL uniform batches pad whole requests"
 
     @classmethod
     def eager(cls, num_reqs: int, num_tokens: int,
