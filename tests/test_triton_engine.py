@@ -1,0 +1,24 @@
+"""The engine on the Triton backend (interpreted on CPU) gives the torch backend's tokens."""
+
+from rung.runtime import LLM, SamplingParams
+
+ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "max_model_len": 64,
+          "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4]}}
+
+
+def test_triton_backend_matches_torch_with_graphs_on():
+    prompts = ["a", "hello there", "the third prompt is longer than a block", "four"]
+    params = [SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True)
+              for i in range(4)]
+    triton_llm = LLM("tiny-llama", attention_backend="triton", **ENGINE)
+    torch_llm = LLM("tiny-llama", attention_backend="torch", **ENGINE)
+    assert triton_llm.engine.runner.backend.name == "TRITON"
+    for batch in (slice(0, 1), slice(0, 4)):    # a lone 2-token prefill runs PIECEWISE
+        got = [o.outputs[0].token_ids for o in triton_llm.generate(prompts[batch],
+                                                                   params[batch])]
+        want = [o.outputs[0].token_ids for o in torch_llm.generate(prompts[batch],
+                                                                   params[batch])]
+        assert got == want
+    replays = triton_llm.engine.stats()["graph_replays"]
+    assert any(k.startswith("FULL") for k in replays) and any(
+        k.startswith("PIECEWISE") for k in replays), replays
