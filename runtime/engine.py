@@ -14,6 +14,7 @@ from rung.runtime.outputs import CompletionOutput, RequestOutput
 from rung.runtime.request import Request
 from rung.runtime.sampling_params import SamplingParams
 from rung.runtime.scheduler import Scheduler
+from rung.runtime.spec_decode import SpecStats, make_proposer
 
 Prompt = str | dict
 
@@ -37,7 +38,8 @@ class LLMEngine:
         self._arrivals = 0
         self._stats: collections.Counter = collections.Counter()
         self.graph_replays: collections.Counter = collections.Counter()
-        self.proposer = None
+        self.proposer = make_proposer(config, self) if config.speculative else None
+        self.spec_stats = SpecStats(config.num_spec_tokens) if config.speculative else None
         if not config.enforce_eager:
             from rung.graphs.manager import GraphManager
 
@@ -125,13 +127,28 @@ class LLMEngine:
         for s in sched.scheduled:
             req = s.request
             new = result.sampled.get(req.request_id, [])
-            req.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens
+            # NOTE: KV of rejected drafts is discarded by not counting it as computed;
+            # the next step overwrites those slots.
+            num_accepted = max(len(new) - 1, 0) if s.num_spec_tokens else 0
+            req.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens + num_accepted
             req.spec_token_ids = []
+            if s.num_spec_tokens and new:
+                self.spec_stats.record(s.num_spec_tokens, num_accepted)
             if new:
                 outputs.append(self._append(req, new, result.logprobs.get(req.request_id)))
         if self.proposer is not None:
-            self.proposer.propose_for(sched, result)
+            self._propose(sched, result)
         return outputs
+
+    def _propose(self, sched, result) -> None:
+        """Drafts for every request that got a token this step and is still running."""
+        reqs = [s.request for s in sched.scheduled]
+        drafts = self.proposer.propose(self.runner.last_desc.for_drafting(), reqs, result)
+        for req, req_drafts in zip(reqs, drafts):
+            if req.is_finished or not result.sampled.get(req.request_id):
+                continue
+            room = self.max_model_len - req.num_tokens
+            req.spec_token_ids = list(req_drafts[:max(room, 0)])
 
     def _count_step(self) -> None:
         desc = self.runner.last_desc
@@ -196,6 +213,6 @@ class LLMEngine:
              "preemptions": self._stats["preemptions"],
              "num_running": len(self.scheduler.running),
              "num_waiting": len(self.scheduler.waiting)}
-        if self.proposer is not None:
-            s["spec"] = self.proposer.stats()
+        if self.spec_stats is not None:
+            s["spec"] = self.spec_stats.as_dict()
         return s

@@ -20,6 +20,8 @@ from rung.runtime.forward_context import ForwardContext, forward_context
 from rung.runtime.input_batch import BatchLayout, InputBatch
 from rung.runtime.kv_cache_spec import KVCacheGroup, KVCacheSpec, group_layers_by_spec
 from rung.runtime.outputs import Logprob
+from rung.runtime.rejection_sampler import rejection_sample
+from rung.runtime.request import Request
 from rung.runtime.sampler import Sampler, token_logprobs
 from rung.runtime.scheduler import SchedulerOutput
 
@@ -30,6 +32,7 @@ _CPU_KV_BUDGET_BYTES = 2 << 30
 class ModelRunnerOutput:
     sampled: dict[str, list[int]]                    # request id -> new tokens (maybe none)
     logprobs: dict[str, list[dict[int, Logprob]]]    # request id -> one dict per new token
+    hidden_rows: dict[str, int]   # request id -> token row whose logits gave its last token
 
 
 def find_attention_layers(model: torch.nn.Module) -> dict[str, Attention]:
@@ -160,18 +163,40 @@ class ModelRunner:
 
     def _sample(self, sched: SchedulerOutput, layout: BatchLayout,
                 hidden: torch.Tensor) -> ModelRunnerOutput:
-        out = ModelRunnerOutput({}, {})
         rows = torch.from_numpy(layout.logits_indices).to(self.device)
         logits = self.model.compute_logits(hidden[rows])          # [num_logits, vocab]
         self.last_logits = logits
-        sampling = [s.request for s, n in zip(sched.scheduled, layout.num_logits_per_req) if n]
-        tokens = self.sampler(logits, sampling) if sampling else logits.new_zeros(0).long()
-        lps = token_logprobs(logits, tokens, [r.params.logprobs for r in sampling])
-        token_list = tokens.tolist()
-        for s in sched.scheduled:
-            out.sampled[s.request.request_id] = []
-        for i, req in enumerate(sampling):
-            out.sampled[req.request_id] = [token_list[i]]
-            if lps[i] is not None:
-                out.logprobs[req.request_id] = [lps[i]]
+        out = ModelRunnerOutput({s.request.request_id: [] for s in sched.scheduled}, {}, {})
+        plain: list[tuple[Request, int]] = []                     # (request, logits row)
+        offset = 0
+        for s, n in zip(sched.scheduled, layout.num_logits_per_req):
+            if n == 1:
+                plain.append((s.request, offset))
+            elif n > 1:
+                self._verify(s.request, logits[offset:offset + n], offset, layout, out)
+            offset += n
+        if plain:
+            self._sample_plain(plain, logits, layout, out)
         return out
+
+    def _sample_plain(self, plain: list[tuple[Request, int]], logits: torch.Tensor,
+                      layout: BatchLayout, out: ModelRunnerOutput) -> None:
+        reqs = [r for r, _ in plain]
+        sub = logits[[row for _, row in plain]]                   # [num_plain, vocab]
+        tokens = self.sampler(sub, reqs)
+        lps = token_logprobs(sub, tokens, [r.params.logprobs for r in reqs])
+        for (req, row), token, lp in zip(plain, tokens.tolist(), lps):
+            out.sampled[req.request_id] = [token]
+            out.hidden_rows[req.request_id] = int(layout.logits_indices[row])
+            if lp is not None:
+                out.logprobs[req.request_id] = [lp]
+
+    def _verify(self, req: Request, logits: torch.Tensor, offset: int, layout: BatchLayout,
+                out: ModelRunnerOutput) -> None:
+        """logits [1 + k, vocab] at the verified positions of one request."""
+        new = rejection_sample(logits, req.spec_token_ids, req, self.sampler.generator)
+        out.sampled[req.request_id] = new
+        out.hidden_rows[req.request_id] = int(layout.logits_indices[offset + len(new) - 1])
+        if req.params.logprobs is not None:
+            out.logprobs[req.request_id] = token_logprobs(
+                logits[:len(new)], torch.tensor(new), [req.params.logprobs] * len(new))

@@ -1,0 +1,111 @@
+"""Speculative decoding: lossless verification, n-gram drafts, the stochastic accept rule."""
+
+import pytest
+import torch
+
+from rung.graphs.mode import CUDAGraphMode
+from rung.runtime import LLM, SamplingParams
+from rung.runtime.descriptor import BatchExecutionDescriptor
+from rung.runtime.rejection_sampler import rejection_sample
+from rung.runtime.request import Request
+from rung.runtime.spec_decode import NgramProposer
+
+PROMPTS = ["abcabcabcabcabc", "hello hello hello hello", "xyz", "one two one two one"]
+MODES = {"none": {"enforce_eager": True},
+         "piecewise": {"compilation_config": {"cudagraph_mode": "piecewise",
+                                              "cudagraph_capture_sizes": [4, 8, 16]}},
+         "full_and_piecewise": {"compilation_config": {"cudagraph_capture_sizes": [4, 8, 16]}}}
+ENGINE = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 64}
+
+
+@pytest.fixture(scope="module")
+def greedy_reference():
+    params = [SamplingParams(temperature=0, max_tokens=10 + 4 * i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    llm = LLM("tiny-llama", enforce_eager=True, **ENGINE)
+    return params, [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_ngram_speculation_is_lossless(mode, greedy_reference):
+    params, want = greedy_reference
+    llm = LLM("tiny-llama", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              **ENGINE, **MODES[mode])
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert got == want
+    spec = llm.engine.stats()["spec"]
+    assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] == 3 * spec["num_drafts"]
+    assert 0 < spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    assert len(spec["acceptance_per_position"]) == 3
+    if mode == "full_and_piecewise":
+        replays = llm.engine.stats()["graph_replays"]
+        assert any(k.startswith("FULL:") for k in replays), replays
+    stats = llm.engine.stats()
+    assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
+
+
+def test_ngram_proposer_finds_the_latest_longest_match():
+    proposer = NgramProposer(3, 1, 3)
+    assert proposer.propose_one([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]) == [9, 2, 6]
+    assert proposer.propose_one([1, 2, 3, 4]) == [4, 4, 4]          # no match: filler
+    assert proposer.propose_one([4, 1, 2, 4]) == [1, 2, 4]
+
+
+def _request(temperature: float) -> Request:
+    return Request("r", None, [1, 2], SamplingParams(temperature=temperature, max_tokens=50),
+                   None, 0)
+
+
+@pytest.mark.parametrize("draft_dist", [None, [0.1, 0.6, 0.1, 0.2]])
+def test_rejection_sampler_draws_from_the_target_distribution(draft_dist):
+    target = torch.tensor([0.5, 0.1, 0.3, 0.1])
+    logits = torch.log(target).repeat(3, 1)                  # [k + 1, V], k = 2
+    gen = torch.Generator().manual_seed(0)
+    req = _request(1.0)
+    counts = torch.zeros(4)
+    trials = 6000
+    for _ in range(trials):
+        if draft_dist is None:                                 # deterministic proposal
+            drafts, q = [1, 1], None
+        else:
+            q = torch.tensor([draft_dist, draft_dist])
+            drafts = torch.multinomial(q, 1, generator=gen).flatten().tolist()
+        first = rejection_sample(logits, drafts, req, gen, q)[0]
+        counts[first] += 1
+    freq = counts / trials
+    chi2 = float(((counts - trials * target) ** 2 / (trials * target)).sum())
+    assert chi2 < 16.3, f"chi2 {chi2:.1f} (p<0.001 at 3 dof); frequencies {freq.tolist()}"
+
+
+def test_greedy_verification_keeps_the_matching_prefix():
+    logits = torch.full((4, 6), -5.0)
+    for row, token in enumerate([3, 1, 4, 2]):
+        logits[row, token] = 5.0
+    req = _request(0.0)
+    gen = torch.Generator()
+    assert rejection_sample(logits, [3, 1, 4], req, gen) == [3, 1, 4, 2]
+    assert rejection_sample(logits, [3, 5, 4], req, gen) == [3, 1]
+    assert rejection_sample(logits, [0, 1, 4], req, gen) == [3]
+
+
+def test_drafting_descriptor_ignores_graph_and_data_parallel_padding():
+    desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, 3, 4, 12, 16, 4,
+                                    num_tokens_across_dp=(16, 16))
+    drafting = desc.for_drafting()
+    assert (drafting.num_reqs, drafting.num_reqs_padded) == (3, 3)
+    assert (drafting.num_tokens, drafting.num_tokens_padded) == (3, 3)
+    assert drafting.num_tokens_across_dp is None
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
+     "prompt_lookup_min=0"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
+      "prompt_lookup_max": 3}, "prompt_lookup_min=5"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "'medusa'"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, "needs a draft 'model'"),
+])
+def test_bad_speculative_config(spec, match):
+    with pytest.raises(ValueError, match=match):
+        LLM("tiny-llama", speculative_config=spec, enforce_eager=True)
