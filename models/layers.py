@@ -115,11 +115,14 @@ class RotaryEmbedding(nn.Module):
 def init_random_weights(model: nn.Module, seed: int) -> None:
     """Deterministic random weights with unit-scale activations (presets, load_format=dummy)."""
     gen = torch.Generator().manual_seed(seed)
+    # NOTE: models that scale embeddings up (Gemma: by sqrt(hidden)) set `embed_init_std`
+    # so scaled embeddings keep unit scale; others draw embeddings with std 1.
+    embed_std = getattr(model, "embed_init_std", 1.0)
     for name, param in sorted(model.named_parameters()):
         if param.dim() == 1:
             # norms stay at their identity value; biases at 0
             continue
         fan_in = param.shape[1]
-        std = 1.0 if "embed" in name else fan_in ** -0.5
+        std = embed_std if "embed" in name else fan_in ** -0.5
         values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
         param.data.copy_(values.to(param.dtype))

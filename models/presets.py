@@ -19,4 +19,15 @@ PRESETS: dict[str, dict] = {
     "bench-llama": {**_LLAMA_BASE, "vocab_size": 8192, "hidden_size": 512,
                     "intermediate_size": 1408, "num_hidden_layers": 8,
                     "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64},
+    # Gemma 4 (dense, text): 5 sliding layers (window 16, head_dim 32), then 1 full layer
+    # (head_dim 64); other fields take HF's Gemma4TextConfig defaults. Norm weights stay 1:
+    # Gemma 4 scales by the weight itself (no 1 + w), so 1 is the identity.
+    "tiny-gemma4": {"model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 128,
+                    "intermediate_size": 256, "num_hidden_layers": 6,
+                    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+                    "global_head_dim": 64, "sliding_window": 16,
+                    "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+                    "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+                    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+                    "pad_token_id": 0},
 }

@@ -23,3 +23,8 @@ def model_class(cfg: dict) -> type[nn.Module]:
                          f"{', '.join(sorted(_ARCHITECTURES))}")
     module, name = _ARCHITECTURES[model_type]
     return getattr(importlib.import_module(module), name)
+
+
+def register_model(model_type: str, module: str, class_name: str) -> None:
+    """Map an HF ``model_type`` to a rung model class (``module``.``class_name``)."""
+    _ARCHITECTURES[model_type] = (module, class_name)

@@ -1,0 +1,363 @@
+"""Gemma 4 text decoder (dense): sliding and full layers with their own head dims, q/k/v
+norms, per-layer-type RoPE, KV sharing across layers, final logit softcapping.
+
+Config facts follow HF transformers' `Gemma4TextConfig` / `Gemma4ForCausalLM`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from rung.kernels.attention import Attention
+from rung.models.layers import MergedLinear, RMSNorm, proportional_inv_freq, rope_inv_freq
+from rung.models.weights import WeightStream, check_all_loaded, load_named_weights
+
+STACKED = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
+           ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+# HF Gemma4TextConfig defaults for the fields config.json may omit.
+_TEXT_DEFAULTS: dict = {
+    "model_type": "gemma4_text", "vocab_size": 262_144, "hidden_size": 2304,
+    "intermediate_size": 9216, "num_hidden_layers": 30, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "pad_token_id": 0,
+    "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True, "attention_bias": False,
+    "sliding_window": 512, "final_logit_softcapping": None, "use_bidirectional_attention": None,
+    "vocab_size_per_layer_input": 262_144, "hidden_size_per_layer_input": 256,
+    "attention_k_eq_v": False, "num_kv_shared_layers": 0, "enable_moe_block": False,
+    "use_double_wide_mlp": False, "num_experts": None,
+}
+_DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+                 FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                        "rope_theta": 1_000_000.0}}
+_DEFAULT_GLOBAL_HEAD_DIM = 512
+_SLIDING_PATTERN = 6          # HF default: 5 sliding layers, then 1 full
+_LAYER_OVERRIDES = ("head_dim", "num_key_value_heads")   # per_layer_config keys rung handles
+_ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+                "gelu": nn.functional.gelu, "silu": nn.functional.silu}
+# Multimodal folders: language model under this prefix; towers and their embedders skipped.
+_LM_PREFIX = "model.language_model."
+_MULTIMODAL_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
+                        "model.embed_audio.")
+
+
+# --- config ------------------------------------------------------------------------------
+def text_config(cfg: dict) -> dict:
+    """The text decoder's config with HF's defaults filled in.
+
+    `gemma4` (multimodal) folders keep it under ``text_config``; the top level decides
+    weight tying and may carry the special token ids.
+    """
+    if cfg.get("model_type") == "gemma4":
+        text = dict(cfg.get("text_config") or {})
+        text["model_type"] = "gemma4_text"
+        text["tie_word_embeddings"] = cfg.get("tie_word_embeddings", True)
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if cfg.get(key) is not None:
+                text[key] = cfg[key]
+    else:
+        text = dict(cfg)
+    text = {**_TEXT_DEFAULTS, **text}
+    text["layer_types"] = _layer_types(text)
+    text["rope_parameters"] = text.get("rope_parameters") or _DEFAULT_ROPE
+    return text
+
+
+def _layer_types(cfg: dict) -> list[str]:
+    num_layers = cfg["num_hidden_layers"]
+    types = list(cfg.get("layer_types") or
+                 [SLIDING if (i + 1) % _SLIDING_PATTERN else FULL for i in range(num_layers)])
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries, num_hidden_layers={num_layers}")
+    bad = sorted(set(types) - {SLIDING, FULL})
+    if bad:
+        raise ValueError(f"layer_types={bad} unsupported; rung supports {SLIDING}, {FULL}")
+    types[-1] = FULL          # NOTE: HF forces the last layer to full attention
+    return types
+
+
+def check_supported(cfg: dict) -> None:
+    """ValueError naming the field for what HF's Gemma 4 does that rung does not."""
+    unsupported = {
+        "hidden_size_per_layer_input": bool(cfg["hidden_size_per_layer_input"]),
+        "enable_moe_block": bool(cfg["enable_moe_block"]),
+        "use_bidirectional_attention": cfg["use_bidirectional_attention"] == "all",
+        "hidden_activation": cfg["hidden_activation"] not in _ACTIVATIONS,
+    }
+    for field, bad in unsupported.items():
+        if bad:
+            raise ValueError(f"Gemma 4 config {field}={cfg[field]!r} is not supported by rung "
+                             "(dense text decoder: no per-layer input embeddings, no MoE, "
+                             f"causal attention, activations {sorted(_ACTIVATIONS)})")
+    shared = cfg["num_kv_shared_layers"]
+    if not 0 <= shared < cfg["num_hidden_layers"]:
+        raise ValueError(f"num_kv_shared_layers={shared} must be in [0, num_hidden_layers="
+                         f"{cfg['num_hidden_layers']}): shared layers need a layer to read from")
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma4LayerSpec:
+    """What one decoder layer looks like once HF's per-layer overrides are applied."""
+
+    layer_type: str
+    head_dim: int
+    num_kv_heads: int
+    sliding_window: int | None
+    kv_source: int | None     # layer whose KV cache this one reads; None: its own
+    k_eq_v: bool              # values are the raw keys (full layers with attention_k_eq_v)
+    intermediate_size: int
+
+
+def _per_layer_overrides(cfg: dict) -> dict[int, dict]:
+    """HF `per_layer_config` as saved, else what HF derives from `global_head_dim`."""
+    saved = cfg.get("per_layer_config")
+    if saved is not None:
+        overrides = {int(i): dict(o) for i, o in saved.items()}
+        for i, o in overrides.items():
+            extra = sorted(set(o) - set(_LAYER_OVERRIDES))
+            if extra:
+                raise ValueError(f"per_layer_config[{i}] overrides {extra}; rung supports "
+                                 f"{list(_LAYER_OVERRIDES)}")
+        return overrides
+    full = {"head_dim": cfg.get("global_head_dim", _DEFAULT_GLOBAL_HEAD_DIM)}
+    if cfg["attention_k_eq_v"] and cfg.get("num_global_key_value_heads") is not None:
+        full["num_key_value_heads"] = cfg["num_global_key_value_heads"]
+    return {i: full for i, t in enumerate(cfg["layer_types"]) if t == FULL}
+
+
+def _kv_sources(cfg: dict) -> list[int | None]:
+    """HF kv sharing: each of the last `num_kv_shared_layers` layers reads the KV of the
+    last earlier non-shared layer of its type."""
+    types = cfg["layer_types"]
+    first_shared = len(types) - cfg["num_kv_shared_layers"]
+    producers = {t: i for i, t in enumerate(types[:first_shared])}   # last of each type
+    missing = sorted(set(types) - set(producers))
+    if missing:
+        raise ValueError(f"num_kv_shared_layers={cfg['num_kv_shared_layers']} leaves no "
+                         f"non-shared layer of type {missing} to read KV from")
+    return [None if i < first_shared else producers[t] for i, t in enumerate(types)]
+
+
+def layer_specs(cfg: dict) -> list[Gemma4LayerSpec]:
+    overrides = _per_layer_overrides(cfg)
+    sources = _kv_sources(cfg)
+    specs = []
+    for i, layer_type in enumerate(cfg["layer_types"]):
+        o = overrides.get(i, {})
+        shared = sources[i] is not None
+        wide = 2 if cfg["use_double_wide_mlp"] and shared else 1
+        specs.append(Gemma4LayerSpec(
+            layer_type, o.get("head_dim", cfg["head_dim"]),
+            o.get("num_key_value_heads", cfg["num_key_value_heads"]),
+            cfg["sliding_window"] if layer_type == SLIDING else None, sources[i],
+            bool(cfg["attention_k_eq_v"]) and layer_type == FULL,
+            cfg["intermediate_size"] * wide))
+    return specs
+
+
+def rope_inv_freqs(cfg: dict, specs: list[Gemma4LayerSpec]) -> dict[str, torch.Tensor]:
+    """layer type -> inv_freq [head_dim // 2] fp32 (HF: one rotary table per layer type)."""
+    params = cfg["rope_parameters"]
+    out = {}
+    for layer_type in dict.fromkeys(s.layer_type for s in specs):
+        dims = {s.head_dim for s in specs if s.layer_type == layer_type}
+        if len(dims) != 1:
+            raise ValueError(f"{layer_type} layers have head dims {sorted(dims)}; HF needs one")
+        nested = bool({SLIDING, FULL} & set(params))     # HF nests by type; flat: all types
+        p = params.get(layer_type) if nested else params
+        out[layer_type] = _inv_freq(dims.pop(), p, layer_type)
+    return out
+
+
+def _inv_freq(head_dim: int, p: dict | None, layer_type: str) -> torch.Tensor:
+    if not p:
+        raise ValueError(f"rope_parameters[{layer_type!r}] is missing")
+    rope_type, theta = p.get("rope_type", "default"), float(p["rope_theta"])
+    if rope_type == "default":          # NOTE: HF's Gemma 4 default ignores partial_rotary
+        return rope_inv_freq(head_dim, theta, None)
+    if rope_type == "proportional":
+        return proportional_inv_freq(head_dim, theta, p.get("partial_rotary_factor", 1.0),
+                                     p.get("factor", 1.0))
+    raise ValueError(f"rope_parameters[{layer_type!r}] rope_type={rope_type!r} unsupported; "
+                     "rung supports default, proportional")
+
+
+# --- layers --------------------------------------------------------------------------------
+def rms_norm_no_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma 4's v_norm: RMSNorm in fp32 without a weight."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]; cos/sin [T, head_dim] -> neox rotation over the whole head."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class Gemma4Rotary(nn.Module):
+    """cos/sin for one layer type, computed per step from fp32 frequencies as HF does."""
+
+    def __init__(self, inv_freq: torch.Tensor) -> None:
+        super().__init__()
+        # NOTE: kept as int32 bits so model.to(dtype) cannot round the frequencies; HF
+        # computes the angles in fp32 whatever the model dtype.
+        self.register_buffer("inv_freq_bits", inv_freq.float().view(torch.int32),
+                             persistent=False)             # [head_dim // 2]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, head_dim] in ``dtype``."""
+        inv_freq = self.inv_freq_bits.view(torch.float32)
+        freqs = positions.float()[:, None] * inv_freq[None, :]      # [T, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)                      # [T, head_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Gemma4Attention(nn.Module):
+    def __init__(self, cfg: dict, spec: Gemma4LayerSpec, layer_name: str) -> None:
+        super().__init__()
+        hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
+        self.num_heads, self.num_kv_heads = cfg["num_attention_heads"], spec.num_kv_heads
+        self.head_dim, self.eps = spec.head_dim, eps
+        self.reads_shared_kv = spec.kv_source is not None
+        self.k_eq_v = spec.k_eq_v
+        q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shards = [q_size] if self.reads_shared_kv else (
+            [q_size, self.kv_size] if self.k_eq_v else [q_size, self.kv_size, self.kv_size])
+        bias = bool(cfg["attention_bias"])
+        self.qkv_proj = MergedLinear(hidden, shards, bias=bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, eps, cast_before_scale=False)
+        self.k_norm = None if self.reads_shared_kv else RMSNorm(self.head_dim, eps,
+                                                                cast_before_scale=False)
+        target = (f"model.layers.{spec.kv_source}.self_attn.attn"
+                  if self.reads_shared_kv else None)
+        # NOTE: scale 1.0: q_norm / k_norm already set the logit scale (HF `scaling = 1.0`).
+        self.attn = Attention(layer_name, self.num_heads, self.num_kv_heads, self.head_dim,
+                              scale=1.0, sliding_window=spec.sliding_window,
+                              kv_sharing_target=target)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor
+                ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        cos, sin = rope
+        parts = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = self.q_norm(parts[0].reshape(num_tokens, self.num_heads, self.head_dim))
+        q = apply_rope(q, cos, sin).reshape(num_tokens, -1)
+        if self.reads_shared_kv:
+            # NOTE: the backend neither writes nor reads these: this layer's KV comes
+            # from the source layer's cache.
+            unused = hidden.new_empty(num_tokens, self.kv_size)     # [T, kvh * hd]
+            return self.o_proj(self.attn(q, unused, unused))
+        k = parts[1].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = k if self.k_eq_v else parts[2].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        k = apply_rope(self.k_norm(k), cos, sin)
+        v = rms_norm_no_scale(v, self.eps)
+        out = self.attn(q, k.reshape(num_tokens, -1), v.reshape(num_tokens, -1))
+        return self.o_proj(out)
+
+
+class Gemma4MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, activation: str) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = _ACTIVATIONS[activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class Gemma4DecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, spec: Gemma4LayerSpec, index: int) -> None:
+        super().__init__()
+        hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
+        self.layer_type = spec.layer_type
+        self.self_attn = Gemma4Attention(cfg, spec, f"model.layers.{index}.self_attn.attn")
+        self.mlp = Gemma4MLP(hidden, spec.intermediate_size, cfg["hidden_activation"])
+        for name in ("input_layernorm", "post_attention_layernorm",
+                     "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            setattr(self, name, RMSNorm(hidden, eps, cast_before_scale=False))
+        self.layer_scalar = nn.Parameter(torch.ones(1))   # HF buffer; scales the layer output
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor
+                ) -> torch.Tensor:
+        attn = self.self_attn(rope, self.input_layernorm(hidden))
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        hidden = hidden + self.post_feedforward_layernorm(mlp)
+        return hidden * self.layer_scalar
+
+
+class Gemma4Model(nn.Module):
+    def __init__(self, cfg: dict, specs: list[Gemma4LayerSpec]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        # NOTE: follows model.to(dtype), so bf16 models scale by bf16(sqrt(hidden)) as HF does.
+        self.register_buffer("embed_scale", torch.tensor(cfg["hidden_size"] ** 0.5),
+                             persistent=False)
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, s, i) for i, s in enumerate(specs))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], cast_before_scale=False)
+
+
+class Gemma4ForCausalLM(nn.Module):
+    text_config = staticmethod(text_config)
+
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        cfg = text_config(cfg)
+        check_supported(cfg)
+        self.config = cfg
+        self.specs = layer_specs(cfg)
+        self.model = Gemma4Model(cfg, self.specs)
+        self.rotary = nn.ModuleDict({t: Gemma4Rotary(f)
+                                     for t, f in rope_inv_freqs(cfg, self.specs).items()})
+        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.softcap = cfg["final_logit_softcapping"]
+        self.tied = bool(cfg["tie_word_embeddings"])
+        # random weights (presets): unit-scale embeddings after the sqrt(hidden) scaling
+        self.embed_init_std = cfg["hidden_size"] ** -0.5
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> scaled embeddings [T, hidden] (what layer 0 and MTP drafters see)."""
+        embeds = self.model.embed_tokens(input_ids)
+        return embeds * self.model.embed_scale.to(embeds.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [num_tokens_padded] -> hidden [num_tokens_padded, hidden]."""
+        hidden = self.embed_input_ids(input_ids)
+        rope = {t: r(positions, hidden.dtype) for t, r in self.rotary.items()}
+        for layer in self.model.layers:
+            hidden = layer(rope[layer.layer_type], hidden)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_reqs, hidden] -> logits [num_reqs, vocab] fp32, softcapped."""
+        logits = self.lm_head(hidden).float()
+        if self.softcap:
+            logits = self.softcap * torch.tanh(logits / self.softcap)
+        return logits
+
+    def load_weights(self, weights: WeightStream) -> None:
+        loaded = load_named_weights(self, weights, STACKED, rename={_LM_PREFIX: "model."},
+                                    skip_prefixes=_MULTIMODAL_PREFIXES + self._unused_kv_weights())
+        # NOTE: layer_scalar is optional: HF initialises a missing one to 1, as rung does.
+        optional = {f"model.layers.{i}.layer_scalar": "" for i in range(len(self.specs))}
+        if self.tied:
+            optional["lm_head.weight"] = "model.embed_tokens.weight"
+        check_all_loaded(self, loaded, optional)
+
+    def _unused_kv_weights(self) -> tuple[str, ...]:
+        """K/V projections and norms of KV-shared layers, which HF ignores on load."""
+        return tuple(f"model.layers.{i}.self_attn.{name}"
+                     for i, s in enumerate(self.specs) if s.kv_source is not None
+                     for name in ("k_proj", "v_proj", "k_norm", "v_norm"))
