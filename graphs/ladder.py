@@ -30,3 +30,9 @@ def capture_sizes(user_sizes: list[int] | None, max_num_seqs: int, num_spec_toke
                                  f"{max_num_batched_tokens}")
     rounded = {-(-s // step) * step for s in sizes}
     return sorted(s for s in rounded if s <= max(max_size, step))
+
+
+def draft_capture_sizes(user_sizes: list[int] | None, max_num_seqs: int) -> list[int]:
+    """Request counts a draft step (one query per request) is captured for."""
+    sizes = default_ladder(max_num_seqs) if user_sizes is None else user_sizes
+    return sorted({s for s in sizes if 1 <= s <= max_num_seqs})

@@ -45,6 +45,8 @@ class LLMEngine:
 
             self.runner.graphs = GraphManager.for_runner(self.runner, config)
             self.runner.graphs.capture_all(capture_progress)
+            if hasattr(self.proposer, "capture_all"):
+                self.proposer.capture_all(self.runner.graphs)
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
