@@ -30,13 +30,17 @@ class _HostDevicePair:
     """A numpy host buffer and the device tensor graphs read (the same memory on CPU)."""
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype, device: torch.device) -> None:
-        self.np = np.zeros(shape, dtype=dtype)
-        host = torch.from_numpy(self.np)
+        # NOTE: pinned host memory on CUDA, so the per-step copy is truly asynchronous
+        host = torch.from_numpy(np.zeros(shape, dtype=dtype))
+        if device.type != "cpu":
+            host = host.pin_memory()
+        self.np = host.numpy()
+        self._host = host
         self.gpu = host if device.type == "cpu" else torch.empty_like(host, device=device)
 
     def sync(self, rows: int) -> torch.Tensor:
         if self.gpu.device.type != "cpu":
-            self.gpu[:rows].copy_(torch.from_numpy(self.np[:rows]), non_blocking=True)
+            self.gpu[:rows].copy_(self._host[:rows], non_blocking=True)
         return self.gpu[:rows]
 
 
