@@ -69,6 +69,17 @@ class AttentionBackend:
         """Raise ValueError for a layer this backend cannot run."""
 
 
+def check_shape_contract(metadata: CommonAttentionMetadata, num_tokens_padded: int) -> None:
+    """The shape contract FlashAttention enforces, asserted by every backend so CPU tests
+    catch failure class 1 ("batch_size must be equal to batch_size_k")."""
+    assert metadata.block_table.shape[0] == metadata.query_start_loc.shape[0] - 1, (
+        f"batch_size must be equal to batch_size_k: block_table has "
+        f"{metadata.block_table.shape[0]} rows, query_start_loc "
+        f"{metadata.query_start_loc.shape[0] - 1}")
+    assert metadata.slot_mapping.shape[0] == num_tokens_padded, (
+        f"slot_mapping {metadata.slot_mapping.shape[0]} != tokens {num_tokens_padded}")
+
+
 def kv_cache_shape(spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
     # NOTE: block 0 is the null block: never allocated to a request; pad rows point at it.
     return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)

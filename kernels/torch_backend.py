@@ -9,7 +9,12 @@ from __future__ import annotations
 import torch
 
 from rung.graphs.mode import GraphSupport
-from rung.kernels.backend import AttentionBackend, AttentionImpl, AttentionLayerSpec
+from rung.kernels.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayerSpec,
+    check_shape_contract,
+)
 from rung.runtime.attention_metadata import CommonAttentionMetadata
 
 
@@ -74,14 +79,7 @@ def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor,
 
 class TorchAttentionImpl(AttentionImpl):
     def forward(self, query, key, value, kv_cache, metadata, output) -> None:
-        # NOTE: the shape contract FlashAttention enforces, asserted here so CPU tests
-        # catch failure class 1 ("batch_size must be equal to batch_size_k").
-        assert metadata.block_table.shape[0] == metadata.query_start_loc.shape[0] - 1, (
-            f"batch_size must be equal to batch_size_k: block_table has "
-            f"{metadata.block_table.shape[0]} rows, query_start_loc "
-            f"{metadata.query_start_loc.shape[0] - 1}")
-        assert metadata.slot_mapping.shape[0] == query.shape[0], (
-            f"slot_mapping {metadata.slot_mapping.shape[0]} != tokens {query.shape[0]}")
+        check_shape_contract(metadata, query.shape[0])
         if self.spec.writes_kv:
             write_kv(kv_cache, key, value, metadata.slot_mapping)
         output.copy_(paged_attention_ref(query, kv_cache, metadata, self.spec))

@@ -11,7 +11,12 @@ import os
 import torch
 
 from rung.graphs.mode import GraphSupport
-from rung.kernels.backend import AttentionBackend, AttentionImpl, AttentionLayerSpec
+from rung.kernels.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayerSpec,
+    check_shape_contract,
+)
 from rung.kernels.selector import register_backend
 from rung.runtime.attention_metadata import CommonAttentionMetadata
 from rung.runtime.kv_cache_spec import KVCacheSpec
@@ -35,14 +40,7 @@ class TritonAttentionImpl(AttentionImpl):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: CommonAttentionMetadata,
                 output: torch.Tensor) -> None:
-        # NOTE: the shape contract FlashAttention enforces (failure class 1), asserted so
-        # every backend fails the same way on a mis-sized block table.
-        assert metadata.block_table.shape[0] == metadata.query_start_loc.shape[0] - 1, (
-            f"batch_size must be equal to batch_size_k: block_table has "
-            f"{metadata.block_table.shape[0]} rows, query_start_loc "
-            f"{metadata.query_start_loc.shape[0] - 1}")
-        assert metadata.slot_mapping.shape[0] == query.shape[0], (
-            f"slot_mapping {metadata.slot_mapping.shape[0]} != tokens {query.shape[0]}")
+        check_shape_contract(metadata, query.shape[0])
         if self.spec.writes_kv:
             kv_write(kv_cache, key, value, metadata.slot_mapping)
         paged_attention(query, kv_cache, output, metadata.query_start_loc, metadata.seq_lens,

@@ -8,6 +8,7 @@ import torch
 
 from rung.kernels.attention import Attention
 from rung.kernels.backend import AttentionBackend, AttentionMetadataBuilder
+from rung.runtime.attention_metadata import CommonAttentionMetadata, validate
 from rung.runtime.kv_cache_spec import KVCacheSpec
 
 
@@ -40,3 +41,17 @@ def build_attention_groups(layers: dict[str, Attention], layer_kv_group: dict[st
             groups[(gid, key)] = AttentionGroup(key, gid, [], builder)
         groups[(gid, key)].layer_names.append(name)
     return list(groups.values())
+
+
+def build_layer_metadata(groups: list[AttentionGroup], commons: list[CommonAttentionMetadata],
+                         check_values: bool) -> dict[str, object]:
+    """Validate each KV cache group's metadata, build it once per attention group, and map
+    every layer to its group's metadata."""
+    for common in commons:
+        validate(common, check_values=check_values)
+    per_layer: dict[str, object] = {}
+    for group in groups:
+        meta = group.builder.build(commons[group.kv_group_id])
+        for name in group.layer_names:
+            per_layer[name] = meta
+    return per_layer

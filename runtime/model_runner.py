@@ -12,8 +12,8 @@ from rung.kernels.attention import Attention
 from rung.kernels.backend import kv_cache_shape
 from rung.kernels.selector import select_backend
 from rung.models.loader import LoadedModel
-from rung.runtime.attention_groups import build_attention_groups
-from rung.runtime.attention_metadata import CommonAttentionMetadata, validate
+from rung.runtime.attention_groups import build_attention_groups, build_layer_metadata
+from rung.runtime.attention_metadata import CommonAttentionMetadata
 from rung.runtime.config import EngineConfig
 from rung.runtime.descriptor import BatchExecutionDescriptor
 from rung.runtime.forward_context import ForwardContext, forward_context
@@ -115,14 +115,8 @@ class ModelRunner:
     def build_metadata(self, desc: BatchExecutionDescriptor, layout: BatchLayout
                        ) -> tuple[list[CommonAttentionMetadata], dict[str, object]]:
         commons = self.input_batch.common_metadata(desc, layout, self.max_model_len)
-        for common in commons:
-            validate(common, check_values=self.config.debug_padding)
-        per_layer: dict[str, object] = {}
-        for group in self.attn_groups:
-            meta = group.builder.build(commons[group.kv_group_id])
-            for name in group.layer_names:
-                per_layer[name] = meta
-        return commons, per_layer
+        return commons, build_layer_metadata(self.attn_groups, commons,
+                                             self.config.debug_padding)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ids: list[list[list[int]]]

@@ -17,8 +17,8 @@ from rung.graphs.capture import CapturedGraph
 from rung.graphs.ladder import draft_capture_sizes
 from rung.graphs.mode import CUDAGraphMode, GraphSupport
 from rung.models.loader import load_model
-from rung.runtime.attention_groups import build_attention_groups
-from rung.runtime.attention_metadata import CommonAttentionMetadata, validate
+from rung.runtime.attention_groups import build_attention_groups, build_layer_metadata
+from rung.runtime.attention_metadata import CommonAttentionMetadata
 from rung.runtime.descriptor import BatchExecutionDescriptor
 from rung.runtime.forward_context import ForwardContext, forward_context
 from rung.runtime.input_batch import _HostDevicePair
@@ -208,13 +208,7 @@ class MtpProposer(Proposer):
         real_max = int(self.batch.seq_lens.np[:desc.num_reqs].max(initial=0))
         max_seq_len = self.runner.max_model_len if full else max(real_max, 1)
         commons = self.batch.common_metadata(desc, self.config.block_size, max_seq_len)
-        for common in commons:
-            validate(common, check_values=self.config.debug_padding)
-        per_layer: dict[str, object] = {}
-        for group in self.attn_groups:
-            meta = group.builder.build(commons[group.kv_group_id])
-            for name in group.layer_names:
-                per_layer[name] = meta
+        per_layer = build_layer_metadata(self.attn_groups, commons, self.config.debug_padding)
         return ForwardContext(desc, per_layer, self.layers)
 
     def _draft_rounds(self, input_ids: torch.Tensor, hidden: torch.Tensor,
