@@ -30,4 +30,21 @@ PRESETS: dict[str, dict] = {
                     "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
                     "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
                     "pad_token_id": 0},
+    # Gemma 4 assistant (MTP drafter) for tiny-gemma4: 2 layers that read the target's KV
+    # (sliding <- target layer 4, full <- target layer 5), so head dims and KV heads match
+    # the target's; backbone_hidden_size is the target's hidden size.
+    "tiny-gemma4-mtp": {"model_type": "gemma4_assistant", "backbone_hidden_size": 128,
+                        "use_ordered_embeddings": False, "num_centroids": 2048,
+                        "centroid_intermediate_top_k": 32, "tie_word_embeddings": True,
+                        "text_config": {
+                            "model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 64,
+                            "intermediate_size": 128, "num_hidden_layers": 2,
+                            "num_attention_heads": 4, "num_key_value_heads": 2,
+                            "head_dim": 32, "global_head_dim": 64, "sliding_window": 16,
+                            "hidden_size_per_layer_input": 0,
+                            "vocab_size_per_layer_input": 0, "num_kv_shared_layers": 2,
+                            "layer_types": ["sliding_attention", "full_attention"],
+                            "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+                            "tie_word_embeddings": True, "bos_token_id": 1,
+                            "eos_token_id": 2, "pad_token_id": 0}},
 }

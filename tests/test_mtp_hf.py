@@ -1,0 +1,64 @@
+"""The MTP proposer inside the engine vs HF: first-round drafts after prefill, and HF's
+assisted generate, on the same saved weights (fp32 CPU)."""
+
+import pytest
+import torch
+from test_gemma4_mtp_model import NUM_DRAFTS, PROMPT_LENS, _hf_assistant, _hf_drafts, _hf_target
+
+from rung.runtime import LLM, SamplingParams
+
+NUM_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    torch.manual_seed(0)
+    target, assistant = _hf_target(), _hf_assistant()
+    target_dir, assistant_dir = tmp_path_factory.mktemp("t"), tmp_path_factory.mktemp("a")
+    target.save_pretrained(target_dir)
+    assistant.save_pretrained(assistant_dir)
+    return target, assistant, str(target_dir), str(assistant_dir)
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def _llm(folders, graphs: bool) -> LLM:
+    _, _, target_dir, assistant_dir = folders
+    spec = {"method": "mtp", "model": assistant_dir, "num_speculative_tokens": NUM_DRAFTS}
+    extra = ({"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4]}} if graphs
+             else {"enforce_eager": True})
+    return LLM(target_dir, dtype="float32", device="cpu", max_num_seqs=4, max_model_len=96,
+               max_num_batched_tokens=64, speculative_config=spec, **extra)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_first_round_drafts_equal_hf_assistant(folders, graphs):
+    hf_target, hf_assistant = folders[0], folders[1]
+    llm = _llm(folders, graphs)
+    engine = llm.engine
+    for i, prompt in enumerate(_prompts()):
+        engine.add_request(f"p{i}", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=NUM_TOKENS))
+    engine.step()                                  # both prompts prefill in this one step
+    for i, prompt in enumerate(_prompts()):
+        want, _ = _hf_drafts(hf_target, hf_assistant, torch.tensor(prompt))
+        assert engine.requests[f"p{i}"].spec_token_ids == want, f"prompt of {len(prompt)}"
+    if graphs:
+        assert engine.proposer.last_desc.mode.name == "FULL"
+
+
+def test_hf_assisted_generate_equals_rung(folders):
+    hf_target, hf_assistant = folders[0], folders[1]
+    hf_assistant.generation_config.num_assistant_tokens = NUM_DRAFTS
+    hf_assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    outs = _llm(folders, graphs=True).generate(
+        [{"prompt_token_ids": p} for p in _prompts()],
+        SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS))
+    for prompt, out in zip(_prompts(), outs):
+        hf = hf_target.generate(torch.tensor([prompt]), assistant_model=hf_assistant,
+                                max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS,
+                                do_sample=False, pad_token_id=0)
+        assert out.outputs[0].token_ids == hf[0, len(prompt):].tolist()
