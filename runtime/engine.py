@@ -198,12 +198,12 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         ids = req.output_token_ids
-        text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
-        completion = CompletionOutput(0, text, list(ids),
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        completion = CompletionOutput(0, list(ids),
                                       req.cumulative_logprob if req.logprobs is not None
                                       else None,
                                       list(req.logprobs) if req.logprobs is not None else None,
-                                      req.finish_reason, req.stop_reason)
+                                      req.finish_reason, req.stop_reason, decode)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
                              req.is_finished)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import torch
@@ -10,7 +11,7 @@ import torch
 from rung.runtime.attention_metadata import CommonAttentionMetadata
 from rung.runtime.descriptor import BatchExecutionDescriptor
 from rung.runtime.kv_cache_manager import NULL_BLOCK
-from rung.runtime.scheduler import SchedulerOutput
+from rung.runtime.scheduler import ScheduledRequest, SchedulerOutput
 
 
 @dataclasses.dataclass
@@ -60,6 +61,7 @@ class InputBatch:
         self.slot_mappings = [pair((max_num_tokens,), np.int64)
                               for _ in range(num_kv_groups)]      # per group, -1 for pads
         self._num_reqs = self._num_tokens = 0
+        self._row_keys: list[tuple | None] = [None] * max_num_reqs
 
     def poison(self, rng: np.random.Generator, vocab_size: int, num_blocks: int) -> None:
         """Fill every buffer with garbage, so a pad value `pad()` forgets shows up."""
@@ -71,6 +73,7 @@ class InputBatch:
             bt.np[:] = rng.integers(1, max(num_blocks, 2), bt.np.shape)
         for sm in self.slot_mappings:
             sm.np[:] = rng.integers(0, 1 << 20, self.max_num_tokens)
+        self._row_keys = [None] * self.max_num_reqs
 
     def prepare(self, sched: SchedulerOutput, block_ids: list[list[list[int]]]) -> BatchLayout:
         """Write the real rows. ``block_ids[i][g]``: request i's blocks in group g."""
@@ -78,24 +81,20 @@ class InputBatch:
         assert num_reqs <= self.max_num_reqs and num_tokens <= self.max_num_tokens, (
             f"batch of {num_reqs} requests / {num_tokens} tokens exceeds buffers "
             f"{self.max_num_reqs} / {self.max_num_tokens}")
-        counts = np.fromiter((s.num_new_tokens for s in sched.scheduled), np.int64, num_reqs)
-        starts = np.fromiter((s.request.num_computed_tokens for s in sched.scheduled),
-                             np.int64, num_reqs)
+        counts = np.array([s.num_new_tokens for s in sched.scheduled], dtype=np.int64)
+        starts = np.array([s.request.num_computed_tokens for s in sched.scheduled],
+                          dtype=np.int64)
         qsl = self.query_start_loc.np
         qsl[0] = 0
         np.cumsum(counts, out=qsl[1:num_reqs + 1])
         self.seq_lens.np[:num_reqs] = starts + counts
-        for i, s in enumerate(sched.scheduled):
-            req, start, end = s.request, int(qsl[i]), int(qsl[i + 1])
-            first = req.num_computed_tokens
-            known = req.token_ids[first:first + s.num_new_tokens - s.num_spec_tokens]
-            self.input_ids.np[start:start + len(known)] = known
-            if s.num_spec_tokens:
-                self.input_ids.np[start + len(known):end] = req.spec_token_ids
-            for g, blocks in enumerate(block_ids[i]):
-                row = self.block_tables[g].np[i]
-                row[:len(blocks)] = blocks
-                row[len(blocks):] = NULL_BLOCK
+        if num_tokens == num_reqs:          # one token each (decode, or a 1-token chunk)
+            self.input_ids.np[:num_tokens] = [s.request.token_ids[s.request.num_computed_tokens]
+                                              for s in sched.scheduled]
+        else:
+            self.input_ids.np[:num_tokens] = list(
+                itertools.chain.from_iterable(_step_tokens(s) for s in sched.scheduled))
+        self._write_block_rows(sched, block_ids)
         req_of_token = np.repeat(np.arange(num_reqs), counts)       # [num_tokens]
         positions = np.arange(num_tokens) - qsl[req_of_token] + starts[req_of_token]
         self.positions.np[:num_tokens] = positions
@@ -106,6 +105,22 @@ class InputBatch:
         self._num_reqs, self._num_tokens = num_reqs, num_tokens
         return self._layout(sched, counts, qsl)
 
+    def _write_block_rows(self, sched: SchedulerOutput,
+                          block_ids: list[list[list[int]]]) -> None:
+        """Rewrite a block-table row only when its request or block count changed."""
+        for i, s in enumerate(sched.scheduled):
+            req = s.request
+            # NOTE: a preempted request gets new blocks, so its preemption count is part
+            # of the key; pad() and poison() clear the keys of rows they overwrite.
+            key = (req.request_id, req.num_preemptions, len(block_ids[i][0]))
+            if self._row_keys[i] == key:
+                continue
+            for g, blocks in enumerate(block_ids[i]):
+                row = self.block_tables[g].np[i]
+                row[:len(blocks)] = blocks
+                row[len(blocks):] = NULL_BLOCK
+            self._row_keys[i] = key
+
     def prepare_empty(self) -> BatchLayout:
         """A batch of no real request (graph capture)."""
         self.query_start_loc.np[0] = 0
@@ -115,10 +130,11 @@ class InputBatch:
     def _layout(self, sched: SchedulerOutput, counts: np.ndarray, qsl: np.ndarray) -> BatchLayout:
         num_reqs = sched.num_reqs
         num_logits = [(1 + s.num_spec_tokens) if s.samples else 0 for s in sched.scheduled]
-        ends = qsl[1:num_reqs + 1]
-        logits_indices = np.concatenate(
-            [np.arange(int(e) - n, int(e)) for e, n in zip(ends, num_logits) if n] or
-            [np.zeros(0, np.int64)]).astype(np.int64)
+        per_req = np.asarray(num_logits, dtype=np.int64)            # [num_reqs]
+        # the last num_logits[i] token rows of request i, all requests at once
+        first = np.repeat(qsl[1:num_reqs + 1] - per_req, per_req)
+        within = np.arange(int(per_req.sum())) - np.repeat(np.cumsum(per_req) - per_req, per_req)
+        logits_indices = (first + within).astype(np.int64)          # [num_logits]
         uniform = int(counts[0]) if num_reqs and bool((counts == counts[0]).all()) else None
         return BatchLayout(num_reqs, sched.num_tokens, uniform, int(counts.max(initial=0)),
                            int(self.seq_lens.np[:num_reqs].max(initial=0)), logits_indices,
@@ -136,6 +152,7 @@ class InputBatch:
         for bt, sm in zip(self.block_tables, self.slot_mappings):
             bt.np[n:n_pad] = NULL_BLOCK
             sm.np[t:t_pad] = -1
+        self._row_keys[n:n_pad] = [None] * (n_pad - n)
         self.input_ids.sync(t_pad)
         self.positions.sync(t_pad)
         self.query_start_loc.sync(n_pad + 1)
@@ -158,3 +175,11 @@ class InputBatch:
                                         sm.gpu[:t_pad], self.block_size, max_query_len,
                                         max_seq_len)
                 for bt, sm in zip(self.block_tables, self.slot_mappings)]
+
+
+def _step_tokens(s: ScheduledRequest) -> list[int]:
+    """The token ids one scheduled request runs this step, drafts last."""
+    req = s.request
+    first = req.num_computed_tokens
+    known = req.token_ids[first:first + s.num_new_tokens - s.num_spec_tokens]
+    return known + req.spec_token_ids if s.num_spec_tokens else known

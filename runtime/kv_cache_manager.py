@@ -55,9 +55,11 @@ class KVCacheManager:
 
     def allocate(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's blocks to hold ``num_tokens``; all groups or none."""
-        blocks = self.req_blocks.setdefault(request_id, [[] for _ in self.groups])
-        extra = self.blocks_needed(num_tokens) - len(blocks[0])
-        if extra <= 0:
+        blocks = self.req_blocks.get(request_id)
+        if blocks is None:
+            blocks = self.req_blocks[request_id] = [[] for _ in self.groups]
+        extra = -(-num_tokens // self.block_size) - len(blocks[0])
+        if extra <= 0:          # the common decode step: the last block has room
             return True
         if any(pool.num_free < extra for pool in self.pools):
             return False

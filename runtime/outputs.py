@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,12 +17,18 @@ class Logprob:
 @dataclasses.dataclass
 class CompletionOutput:
     index: int
-    text: str
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None    # "length" | "stop" | "abort" | "error"
     stop_reason: int | str | None = None
+    detokenize: Callable[[list[int]], str] | None = dataclasses.field(
+        default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def text(self) -> str:
+        """Decoded on first access: streaming outputs that nobody reads cost nothing."""
+        return self.detokenize(self.token_ids) if self.detokenize is not None else ""
 
     def finished(self) -> bool:
         return self.finish_reason is not None

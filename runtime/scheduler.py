@@ -9,17 +9,18 @@ from rung.runtime.kv_cache_manager import KVCacheManager
 from rung.runtime.request import Request, RequestStatus
 
 
-@dataclasses.dataclass
 class ScheduledRequest:
-    request: Request
-    num_new_tokens: int        # tokens to run this step, drafts included
-    num_spec_tokens: int = 0   # drafts among them (verified this step)
+    """One request's share of a step (a plain slotted class: built per request per step)."""
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step produces a token (the chunk reaches the last known token)."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens - self.num_spec_tokens >= r.num_tokens
+    __slots__ = ("request", "num_new_tokens", "num_spec_tokens", "samples")
+
+    def __init__(self, request: Request, num_new_tokens: int, num_spec_tokens: int = 0) -> None:
+        self.request = request
+        self.num_new_tokens = num_new_tokens      # tokens to run this step, drafts included
+        self.num_spec_tokens = num_spec_tokens    # drafts among them (verified this step)
+        # whether this step yields a token: the chunk reaches the last known token
+        self.samples = (request.num_computed_tokens + num_new_tokens - num_spec_tokens
+                        >= len(request.token_ids))
 
 
 @dataclasses.dataclass
@@ -54,7 +55,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput([], 0, [], [])
         for req in list(self.running):
-            if budget == 0 or req not in self.running:
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:     # preempted earlier in this loop
                 continue
             num_new = self._num_new_tokens(req, budget)
             if self._allocate_or_preempt(req, num_new, out):
@@ -78,7 +81,7 @@ class Scheduler:
         return out
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        pending = req.num_tokens - req.num_computed_tokens
+        pending = len(req.token_ids) - req.num_computed_tokens
         if pending == 1 and req.spec_token_ids:
             # NOTE: drafts are verified whole or not at all, so a uniform batch stays uniform
             num_spec = len(req.spec_token_ids)
