@@ -1,0 +1,72 @@
+"""The bare-matmul floor: a decode step's weight matmuls alone, as plain torch ops.
+
+Per layer qkv, o, gate_up and down (every ``nn.Linear`` of the model, in module order),
+plus ``lm_head`` for the sampled rows; no norms, RoPE, attention, KV writes, sampling or
+host bookkeeping. Inputs and outputs are preallocated, so a step allocates nothing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from rung.bench.stats import sync
+
+
+class MatmulFloor:
+    """One decode step's weight matmuls on ``num_reqs`` rows (one token per request)."""
+
+    def __init__(self, model: nn.Module, num_reqs: int) -> None:
+        # (x [num_reqs, in], weight.t() [in, out] view, bias [out] | None, out [num_reqs, out])
+        self.ops: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        gen = torch.Generator().manual_seed(0)
+        for linear in _linears(model):
+            w = linear.weight
+            x = torch.randn(num_reqs, linear.in_features, generator=gen).to(w.device, w.dtype)
+            out = torch.empty(num_reqs, linear.out_features, dtype=w.dtype, device=w.device)
+            self.ops.append((x, w.t(), linear.bias, out))
+        if not self.ops:
+            raise ValueError(f"model {type(model).__name__} has no nn.Linear: no matmul floor")
+        self.device = self.ops[0][0].device
+
+    @property
+    def num_matmuls(self) -> int:
+        return len(self.ops)
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        for x, w_t, bias, out in self.ops:
+            if bias is None:
+                torch.mm(x, w_t, out=out)
+            else:
+                torch.addmm(bias, x, w_t, out=out)
+
+    def time_steps(self, num_steps: int, num_warmup: int = 3) -> list[float]:
+        """Seconds per step, ``num_steps`` samples after ``num_warmup`` untimed steps."""
+        for _ in range(num_warmup):
+            self.step()
+        sync(self.device)
+        times = []
+        for _ in range(num_steps):
+            start = time.perf_counter()
+            self.step()
+            sync(self.device)
+            times.append(time.perf_counter() - start)
+        return times
+
+
+def _linears(model: nn.Module) -> list[nn.Linear]:
+    """Every distinct nn.Linear; lm_head last, as in a forward pass."""
+    seen: set[int] = set()
+    out: list[nn.Linear] = []
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and id(module) not in seen:
+            seen.add(id(module))
+            out.append(module)
+    head = getattr(model, "lm_head", None)
+    if head in out:
+        out.remove(head)
+        out.append(head)
+    return out

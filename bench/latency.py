@@ -1,0 +1,388 @@
+"""`rung bench latency`: decode step latency per graph mode and request count, against HF
+transformers `generate` and the bare-matmul floor, on the same weights in one process.
+
+Per (mode, num_reqs) cell, each measured round adds ``num_reqs`` prompts of ``input_len``
+random tokens and decodes ``output_len`` tokens greedily (EOS ignored). Only steps in
+which every request decodes one token are decode samples; the steps before the last
+request's first token make up the time to first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import importlib.util
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from rung.bench.floor import MatmulFloor
+from rung.bench.report import environment, format_table, loadavg, plot_latency
+from rung.bench.stats import percentiles_ms
+from rung.graphs.mode import CUDAGraphMode
+from rung.runtime.engine import LLMEngine
+from rung.runtime.sampling_params import SamplingParams
+
+# --modes name -> cudagraph_mode policy (None: enforce_eager).
+# NOTE: "full" is FULL_DECODE_ONLY: decode steps replay exactly the FULL graph that
+# FULL_AND_PIECEWISE would, while prefill runs eagerly as under "none", so the full column
+# differs from "none" by the decode graph alone and its capture cost is FULL graphs only
+# (the piecewise column reports piecewise capture separately).
+MODE_POLICIES: dict[str, str | None] = {"none": None, "piecewise": "piecewise",
+                                        "full": "full_decode_only"}
+BASELINES = ("none", "hf")
+
+
+@dataclasses.dataclass
+class LatencyPlan:
+    num_reqs_list: list[int]          # sorted, distinct: the --batch-sizes
+    modes: list[str]                  # --modes labels, in order
+    input_len: int
+    output_len: int
+    iters: int
+    warmup_iters: int
+    baseline: str
+
+    @property
+    def max_num_reqs(self) -> int:
+        return self.num_reqs_list[-1]
+
+    def prompts(self, num_reqs: int, vocab_size: int) -> list[list[int]]:
+        """The same random prompts for rung and HF, for a given request count."""
+        gen = torch.Generator().manual_seed(1000 + num_reqs)
+        ids = torch.randint(3, vocab_size, (num_reqs, self.input_len), generator=gen)
+        return ids.tolist()
+
+
+# --- arguments ---------------------------------------------------------------------------
+def add_latency_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64",
+                   help="comma-separated request counts, one decode batch each")
+    p.add_argument("--modes", default="none,piecewise,full",
+                   help="comma-separated: none, piecewise, full (= full_decode_only), "
+                        "or any cudagraph mode name")
+    p.add_argument("--input-len", type=int, default=64, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
+    p.add_argument("--iters", type=int, default=3,
+                   help="measured rounds per cell (each gives output-len - 1 decode steps)")
+    p.add_argument("--warmup-iters", type=int, default=1, help="untimed rounds per cell")
+    p.add_argument("--baseline", default="none", choices=BASELINES,
+                   help="also time HF transformers generate on the same weights")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--json", default=None, help="write env + one record per cell here")
+    p.add_argument("--plot", default=None, help="draw latency vs requests to this image")
+    # NOTE: None = sized from the run: max_num_seqs from the largest batch, max_model_len
+    # from input + output (a FULL graph's attention reads max_model_len keys).
+    p.set_defaults(max_num_seqs=None, max_model_len=None)
+
+
+def _positive_ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    bad = [v for v in values if v < 1]
+    if not values or bad:
+        raise ValueError(f"{flag} must be positive integers, got {text!r}")
+    return sorted(set(values))
+
+
+def _modes(text: str) -> list[str]:
+    labels = [m.strip().lower() for m in text.split(",") if m.strip()]
+    if not labels or len(set(labels)) != len(labels):
+        raise ValueError(f"--modes must be distinct mode names, got {text!r}")
+    for label in labels:
+        if label not in MODE_POLICIES:
+            CUDAGraphMode.parse(label)     # ValueError naming every valid mode
+    return labels
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def make_plan(args: argparse.Namespace) -> LatencyPlan:
+    """Validate the arguments; every error a user can cause is a ValueError."""
+    _require(not args.enforce_eager and not args.mode,
+             "rung bench latency takes --modes (e.g. none,full), not --mode / --enforce-eager")
+    _require(args.input_len >= 1, f"--input-len must be >= 1, got {args.input_len}")
+    _require(args.output_len >= 2, f"--output-len must be >= 2 (one decode step), "
+             f"got {args.output_len}")
+    _require(args.iters >= 1, f"--iters must be >= 1, got {args.iters}")
+    _require(args.warmup_iters >= 0, f"--warmup-iters must be >= 0, got {args.warmup_iters}")
+    _require(args.threads is None or args.threads >= 1, f"--threads must be >= 1, "
+             f"got {args.threads}")
+    plan = LatencyPlan(_positive_ints(args.batch_sizes, "--batch-sizes"), _modes(args.modes),
+                       args.input_len, args.output_len, args.iters, args.warmup_iters,
+                       args.baseline)
+    _require(args.max_num_seqs is None or args.max_num_seqs >= plan.max_num_reqs,
+             f"--max-num-seqs {args.max_num_seqs} is below the largest batch size "
+             f"{plan.max_num_reqs}")
+    need = plan.input_len + plan.output_len
+    _require(args.max_model_len is None or args.max_model_len >= need,
+             f"--max-model-len {args.max_model_len} is below input + output = {need}")
+    _require(not args.plot or importlib.util.find_spec("matplotlib") is not None,
+             "--plot needs matplotlib: pip install 'rung[plot]'")
+    return plan
+
+
+def _engine_namespace(args: argparse.Namespace, plan: LatencyPlan,
+                      label: str) -> argparse.Namespace:
+    ns = copy.copy(args)
+    policy = MODE_POLICIES.get(label, label)
+    ns.enforce_eager = policy is None or CUDAGraphMode.parse(policy) == CUDAGraphMode.NONE
+    ns.mode = None if ns.enforce_eager else policy
+    ns.max_num_seqs = args.max_num_seqs or plan.max_num_reqs
+    if args.max_model_len is None:
+        need = plan.input_len + plan.output_len
+        ns.max_model_len = -(-need // args.block_size) * args.block_size
+    return ns
+
+
+# --- one rung cell ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class RungRound:
+    ttft_s: float
+    step_s: list[float]              # decode steps only: every request decodes one token
+    padding_waste: list[float]       # per decode step: padded tokens / real tokens - 1
+    graph: str | None                # "MODE:num_tokens_padded" of the last decode step
+    token_ids: list[list[int]]       # [num_reqs][output_len]
+
+
+def _add_round(engine: LLMEngine, prompts: list[list[int]], output_len: int,
+               tag: str) -> list[str]:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    return ids
+
+
+def rung_round(engine: LLMEngine, prompts: list[list[int]], output_len: int,
+               tag: str) -> RungRound:
+    """Run one batch to completion, timing every `engine.step()`."""
+    ids = _add_round(engine, prompts, output_len, tag)
+    num_reqs, started, done = len(ids), set(), {}
+    rnd = RungRound(0.0, [], [], None, [])
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        all_started = len(started) == num_reqs
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - t0
+        desc = engine.runner.last_desc
+        if all_started and desc.num_reqs == num_reqs and desc.uniform_query_len == 1:
+            rnd.step_s.append(elapsed)
+            rnd.padding_waste.append(desc.num_tokens_padded / desc.num_tokens - 1)
+            rnd.graph = None if desc.mode == CUDAGraphMode.NONE else (
+                f"{desc.mode.name}:{desc.num_tokens_padded}")
+        for out in outputs:
+            started.add(out.request_id)
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        if not all_started and len(started) == num_reqs:
+            rnd.ttft_s = time.perf_counter() - start
+    rnd.token_ids = [done[rid] for rid in ids]
+    return rnd
+
+
+def _capture_cost(engine: LLMEngine, graph: str | None) -> tuple[float | None, int | None]:
+    """(seconds, bytes) of capturing the graph a cell's decode steps replayed."""
+    graphs = engine.runner.graphs
+    if graph is None or graphs is None:
+        return None, None
+    mode, size = graph.split(":")
+    hits = [r for r in graphs.records if r.mode == mode and r.num_tokens_padded == int(size)]
+    if not hits:
+        return None, None
+    return sum(r.seconds for r in hits), sum(r.nbytes for r in hits)
+
+
+def measure_rung(engine: LLMEngine, plan: LatencyPlan, label: str,
+                 num_reqs: int) -> tuple[dict[str, Any], list[list[int]]]:
+    """One cell's record, and the tokens of its last round (checked against HF).
+
+    NOTE: the matmul floor runs right after each measured round, as many steps as the
+    round decoded, so rung/floor compares timings taken under the same machine load.
+    """
+    prompts = plan.prompts(num_reqs, engine.runner.vocab_size)
+    floor = MatmulFloor(engine.runner.model, num_reqs)
+    for i in range(plan.warmup_iters):
+        rung_round(engine, _warmup_prompts(prompts), min(plan.output_len, 4),
+                   f"{label}-{num_reqs}-w{i}")
+    rounds, floor_s = [], []
+    for i in range(plan.iters):
+        rounds.append(rung_round(engine, prompts, plan.output_len, f"{label}-{num_reqs}-{i}"))
+        floor_s += floor.time_steps(max(len(rounds[-1].step_s), 1))
+    steps = [s for r in rounds for s in r.step_s]
+    if not steps:
+        raise RuntimeError(f"mode {label}, {num_reqs} requests: no step decoded every request "
+                           "at once; raise --max-num-batched-tokens or lower --batch-sizes")
+    wastes = [w for r in rounds for w in r.padding_waste]
+    capture_s, capture_bytes = _capture_cost(engine, rounds[-1].graph)
+    floor_stats = percentiles_ms(floor_s, "floor_step")
+    record = {"mode": label, "num_reqs": num_reqs, "input_len": plan.input_len,
+              "output_len": plan.output_len, "num_decode_steps": len(steps),
+              **percentiles_ms(steps, "step"),
+              "tokens_per_s": num_reqs * len(steps) / sum(steps),
+              "ttft_ms": 1e3 * sorted(r.ttft_s for r in rounds)[len(rounds) // 2],
+              "padding_waste": sum(wastes) / len(wastes), "graph": rounds[-1].graph,
+              "capture_ms": None if capture_s is None else capture_s * 1e3,
+              "capture_bytes": capture_bytes, "floor_matmuls": floor.num_matmuls,
+              **{k: v for k, v in floor_stats.items() if not k.endswith("_mean")}}
+    return record, rounds[-1].token_ids
+
+
+def _warmup_prompts(prompts: list[list[int]]) -> list[list[int]]:
+    """Short prompts: a warm-up round exercises the decode batch, not a long prefill."""
+    return [p[:8] for p in prompts]
+
+
+def mode_summary(engine: LLMEngine, label: str, max_num_reqs: int) -> dict[str, Any]:
+    graphs = engine.runner.graphs
+    summary: dict[str, Any] = {"mode": label, "cudagraph_mode": "none", "num_graphs": 0,
+                               "capture_s": 0.0, "capture_bytes": 0, "capture_sizes": [],
+                               "ladder_padding_waste": 0.0}
+    if graphs is None:
+        return summary
+    summary.update(cudagraph_mode=graphs.mode.value, num_graphs=len(graphs.records),
+                   capture_s=sum(r.seconds for r in graphs.records),
+                   capture_bytes=sum(r.nbytes for r in graphs.records),
+                   capture_sizes=list(graphs.dispatcher.sizes),
+                   ladder_padding_waste=ladder_padding_waste(graphs.dispatcher.padded_size,
+                                                             max_num_reqs))
+    return summary
+
+
+def ladder_padding_waste(padded_size: Any, max_num_reqs: int) -> float:
+    """Mean of padded / real - 1 over every decode batch of 1..max_num_reqs requests."""
+    wastes = [(padded_size(n) or n) / n - 1 for n in range(1, max_num_reqs + 1)]
+    return sum(wastes) / len(wastes)
+
+
+# --- baselines ---------------------------------------------------------------------------
+def measure_hf(hf: torch.nn.Module, plan: LatencyPlan, num_reqs: int, vocab_size: int,
+               rung_tokens: list[list[list[int]]]) -> dict[str, Any]:
+    from rung.bench.hf_baseline import hf_generate_round
+
+    prompts = plan.prompts(num_reqs, vocab_size)
+    for _ in range(plan.warmup_iters):
+        hf_generate_round(hf, _warmup_prompts(prompts), min(plan.output_len, 4))
+    rounds = [hf_generate_round(hf, prompts, plan.output_len) for _ in range(plan.iters)]
+    steps = [s for r in rounds for s in r.step_s]
+    stats = percentiles_ms(steps, "hf_step")
+    return {**{k: v for k, v in stats.items() if not k.endswith("_mean")},
+            "hf_tokens_per_s": num_reqs * len(steps) / sum(steps),
+            "hf_ttft_ms": 1e3 * sorted(r.ttft_s for r in rounds)[len(rounds) // 2],
+            "hf_token_match": _token_match(rounds[-1].token_ids, rung_tokens)}
+
+
+def _token_match(hf_tokens: list[list[int]], rung_tokens: list[list[list[int]]]) -> float:
+    """Fraction of greedy tokens where every mode of rung agrees with HF."""
+    total = agree = 0
+    for mode_tokens in rung_tokens:
+        for want, got in zip(hf_tokens, mode_tokens):
+            total += len(want)
+            agree += sum(a == b for a, b in zip(want, got))
+    return agree / total if total else 1.0
+
+
+def _add_ratios(record: dict[str, Any]) -> None:
+    hf, floor = record.get("hf_step_ms_p50"), record.get("floor_step_ms_p50")
+    record["rung_over_hf"] = record["step_ms_p50"] / hf if hf else None
+    record["rung_over_floor"] = record["step_ms_p50"] / floor if floor else None
+
+
+# --- the run ---------------------------------------------------------------------------------
+class _Run:
+    """State of one harness run: records, tokens per request count, the progress bar."""
+
+    def __init__(self, args: argparse.Namespace, plan: LatencyPlan) -> None:
+        from rung.runtime.cli import build_llm
+
+        self.args, self.plan, self.build_llm = args, plan, build_llm
+        self.records: list[dict[str, Any]] = []
+        self.modes: list[dict[str, Any]] = []
+        self.tokens: dict[int, list[list[list[int]]]] = {n: [] for n in plan.num_reqs_list}
+        self.model: torch.nn.Module | None = None
+        self.config: dict | None = None
+        num_cells = len(plan.num_reqs_list) * (len(plan.modes) + (plan.baseline == "hf"))
+        self.bar = tqdm(total=num_cells, desc="bench latency", unit="cell", file=sys.stderr)
+
+    def run_mode(self, label: str) -> None:
+        self.bar.set_postfix_str(f"{label}: building engine")
+        ns = _engine_namespace(self.args, self.plan, label)
+        progress = lambda r: self.bar.set_postfix_str(  # noqa: E731
+            f"{label}: captured {r.mode}:{r.num_tokens_padded}")
+        engine = self.build_llm(ns, capture_progress=progress).engine
+        if self.model is None:
+            self.model, self.config = engine.loaded.model, engine.loaded.config
+        for num_reqs in self.plan.num_reqs_list:
+            self.bar.set_postfix_str(f"{label}: {num_reqs} requests")
+            record, tokens = measure_rung(engine, self.plan, label, num_reqs)
+            self.records.append(record)
+            self.tokens[num_reqs].append(tokens)
+            self.bar.update(1)
+        self.modes.append(mode_summary(engine, label, self.plan.max_num_reqs))
+
+    def run_hf(self) -> dict[int, dict[str, Any]]:
+        """HF records per request count (empty without --baseline hf)."""
+        hf = self._hf_model()
+        if hf is None:
+            return {n: {} for n in self.plan.num_reqs_list}
+        out: dict[int, dict[str, Any]] = {}
+        for num_reqs in self.plan.num_reqs_list:
+            self.bar.set_postfix_str(f"hf: {num_reqs} requests")
+            out[num_reqs] = measure_hf(hf, self.plan, num_reqs, self.config["vocab_size"],
+                                       self.tokens[num_reqs])
+            self.bar.update(1)
+        return out
+
+    def _hf_model(self) -> torch.nn.Module | None:
+        if self.plan.baseline != "hf":
+            return None
+        from rung.bench.hf_baseline import hf_model_from_rung
+
+        self.bar.set_postfix_str("hf: converting weights")
+        return hf_model_from_rung(self.model, self.config)
+
+
+def run_latency(args: argparse.Namespace) -> int:
+    plan = make_plan(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    env = environment(args)
+    run = _Run(args, plan)
+    try:
+        for label in plan.modes:
+            run.run_mode(label)
+            gc.collect()
+        baselines = run.run_hf()
+    finally:
+        run.bar.close()
+    for record in run.records:
+        record.update(baselines[record["num_reqs"]])
+        _add_ratios(record)
+    _report(args, plan, env, run)
+    return 0
+
+
+def _report(args: argparse.Namespace, plan: LatencyPlan, env: dict[str, Any],
+            run: _Run) -> None:
+    env["loadavg_end"] = loadavg()
+    print(f"model {args.model}: input {plan.input_len}, output {plan.output_len}, "
+          f"{plan.iters} rounds per cell, {env['device']}, {env['num_threads']} threads")
+    print(format_table(run.records, run.modes))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "plan": dataclasses.asdict(plan), "modes": run.modes,
+                       "records": run.records}, f, indent=2)
+    if args.plot:
+        plot_latency(run.records, args.plot, f"{args.model}: decode step latency")
