@@ -12,12 +12,17 @@ from rung.runtime.kv_cache_spec import KVCacheSpec
 ATTENTION_OP = "rung::unified_attention"
 
 
-@torch.library.custom_op(ATTENTION_OP, mutates_args=("output",))
-def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      output: torch.Tensor, layer_name: str) -> None:
+def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               output: torch.Tensor, layer_name: str) -> None:
     ctx = get_forward_context()
     layer: Attention = ctx.layers[layer_name]
     layer.impl.forward(query, key, value, layer.kv_cache, ctx.attn_metadata[layer_name], output)
+
+
+@torch.library.custom_op(ATTENTION_OP, mutates_args=("output",))
+def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      output: torch.Tensor, layer_name: str) -> None:
+    _attention(query, key, value, output, layer_name)
 
 
 @unified_attention.register_fake
@@ -62,5 +67,9 @@ class Attention(nn.Module):
         # NOTE: output is allocated before the op, so under PIECEWISE graphs it lives in
         # the preceding piece's static memory and the next piece reads a stable address.
         output = torch.empty_like(q)
-        torch.ops.rung.unified_attention(q, k, v, output, self.layer_name)
+        if torch.compiler.is_compiling():
+            # the op is what rung's compile backend splits the graph at
+            torch.ops.rung.unified_attention(q, k, v, output, self.layer_name)
+        else:
+            _attention(q, k, v, output, self.layer_name)     # eager: skip op dispatch
         return output.view(num_tokens, s.num_heads * s.head_dim)

@@ -55,26 +55,28 @@ def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor,
 
     query [T, num_heads, head_dim] -> [T, num_heads, head_dim] fp32; pad tokens give 0.
     """
-    num_tokens_padded = query.shape[0]
+    num_tokens_padded, num_heads, head_dim = query.shape
+    num_kv_heads = layer.num_kv_heads
     block_size = kv_cache.shape[2]
     req, pos, kv_len = token_positions(meta, num_tokens_padded)
     num_blocks_read = min(-(-meta.max_seq_len // block_size), meta.block_table.shape[1])
     blocks = meta.block_table[:, :num_blocks_read].long()[req]          # [T, nb]
     k = kv_cache[0][blocks].flatten(1, 2).float()                        # [T, L, kvh, hd]
     v = kv_cache[1][blocks].flatten(1, 2).float()
-    group = layer.num_heads // layer.num_kv_heads
-    k = k.repeat_interleave(group, dim=2)                                # [T, L, h, hd]
-    v = v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("thd,tlhd->thl", query.float(), k) * layer.scale
+    # NOTE: query head h reads KV head h // (num_heads // num_kv_heads), as HF's repeat_kv;
+    # grouped views instead of repeating K/V keep the reference cheap.
+    q = query.float().view(num_tokens_padded, num_kv_heads, -1, head_dim)  # [T, kvh, g, hd]
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * layer.scale      # [T, kvh, g, L]
     if layer.logit_softcap:
         scores = layer.logit_softcap * torch.tanh(scores / layer.logit_softcap)
     key_pos = torch.arange(k.shape[1], device=query.device)
     visible = key_pos[None, :] < kv_len[:, None]                         # [T, L]
     if layer.sliding_window is not None:
         visible &= key_pos[None, :] > (pos[:, None] - layer.sliding_window)
-    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)               # all-masked pads -> 0
-    return torch.einsum("thl,tlhd->thd", probs, v)
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3))                     # [T, kvh, g, hd]
+    return out.reshape(num_tokens_padded, num_heads, head_dim)
 
 
 class TorchAttentionImpl(AttentionImpl):

@@ -9,6 +9,9 @@ from rung.kernels.attention import Attention
 from rung.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, rope_inv_freq
 from rung.models.weights import WeightStream, check_all_loaded, load_named_weights
 
+# (the rotary module, cos, sin [T, 1, rotary_dim]) computed once per forward
+Rope = tuple[RotaryEmbedding, torch.Tensor, torch.Tensor]
+
 STACKED = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
            ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
 
@@ -34,20 +37,18 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(q_size, hidden, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
-        theta, scaling = rope_settings(cfg)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg["max_position_embeddings"],
-                                          rope_inv_freq(self.head_dim, theta, scaling))
         self.attn = Attention(layer_name, self.num_heads, self.num_kv_heads, self.head_dim,
                               scale=self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        rotary, cos, sin = rope
+        q, k = rotary.rotate(q, cos, sin), rotary.rotate(k, cos, sin)
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
         return self.o_proj(out)
 
@@ -71,8 +72,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+    def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden))
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -83,6 +84,10 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qk_norm)
                                     for i in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        theta, scaling = rope_settings(cfg)
+        self.rotary_emb = RotaryEmbedding(head_dim, cfg["max_position_embeddings"],
+                                          rope_inv_freq(head_dim, theta, scaling))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -100,8 +105,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [num_tokens_padded] -> hidden [num_tokens_padded, hidden]."""
         hidden = self.model.embed_tokens(input_ids)
+        rotary = self.model.rotary_emb
+        rope = (rotary, *rotary.cos_sin(positions, hidden.dtype))
         for layer in self.model.layers:
-            hidden = layer(positions, hidden)
+            hidden = layer(rope, hidden)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

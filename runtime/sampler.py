@@ -65,7 +65,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """logits [N, V] fp32 (one row per sampled position) -> tokens [N] int64."""
-        logits = apply_min_tokens(logits.clone(), reqs)
+        if any(r.num_output_tokens < r.params.min_tokens for r in reqs):
+            logits = apply_min_tokens(logits.clone(), reqs)
         greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
         tokens = logits.argmax(dim=-1)
         if not bool(greedy.all()):
