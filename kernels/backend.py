@@ -50,6 +50,19 @@ class AttentionImpl:
         """query/output [num_tokens_padded, num_heads, head_dim]; key/value
         [num_tokens_padded, num_kv_heads, head_dim]; kv_cache
         [2, num_blocks, block_size, num_kv_heads, head_dim]. Writes KV then attends."""
+        check_shape_contract(metadata, query.shape[0])
+        if self.spec.writes_kv:
+            self.write_kv(kv_cache, key, value, metadata.slot_mapping)
+        self.attend(query, kv_cache, metadata, output)
+
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Scatter key/value to their slots; slot -1 (pads) writes no live block."""
+        raise NotImplementedError
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any,
+               output: torch.Tensor) -> None:
+        """Paged causal attention into ``output``; pad tokens get zeros."""
         raise NotImplementedError
 
 

@@ -21,7 +21,6 @@ from rung.kernels.backend import (
     AttentionBackend,
     AttentionImpl,
     AttentionLayerSpec,
-    check_shape_contract,
 )
 from rung.kernels.selector import register_backend
 from rung.runtime.attention_metadata import CommonAttentionMetadata
@@ -50,13 +49,13 @@ def _flash_attn_import_error() -> str | None:
 
 
 class FlashAttnImpl(AttentionImpl):
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: CommonAttentionMetadata,
-                output: torch.Tensor) -> None:
-        check_shape_contract(metadata, query.shape[0])
-        if self.spec.writes_kv:
-            from rung.kernels.triton.kv_write import kv_write
-            kv_write(kv_cache, key, value, metadata.slot_mapping)
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        from rung.kernels.triton.kv_write import kv_write
+        kv_write(kv_cache, key, value, slot_mapping)
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: CommonAttentionMetadata, output: torch.Tensor) -> None:
         out = self._attend(query, kv_cache, metadata)            # [num_tokens_padded, h, hd]
         # NOTE: flash-attn leaves tokens past query_start_loc[-1] unwritten; pads get 0.
         num_tokens_padded = query.shape[0]

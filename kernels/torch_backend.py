@@ -13,7 +13,6 @@ from rung.kernels.backend import (
     AttentionBackend,
     AttentionImpl,
     AttentionLayerSpec,
-    check_shape_contract,
 )
 from rung.runtime.attention_metadata import CommonAttentionMetadata
 
@@ -80,10 +79,10 @@ def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor,
 
 
 class TorchAttentionImpl(AttentionImpl):
-    def forward(self, query, key, value, kv_cache, metadata, output) -> None:
-        check_shape_contract(metadata, query.shape[0])
-        if self.spec.writes_kv:
-            write_kv(kv_cache, key, value, metadata.slot_mapping)
+    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
+        write_kv(kv_cache, key, value, slot_mapping)
+
+    def attend(self, query, kv_cache, metadata, output) -> None:
         output.copy_(paged_attention_ref(query, kv_cache, metadata, self.spec))
 
 

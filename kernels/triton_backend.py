@@ -15,7 +15,6 @@ from rung.kernels.backend import (
     AttentionBackend,
     AttentionImpl,
     AttentionLayerSpec,
-    check_shape_contract,
 )
 from rung.kernels.selector import register_backend
 from rung.runtime.attention_metadata import CommonAttentionMetadata
@@ -37,12 +36,12 @@ def _interpreted() -> bool:
 
 
 class TritonAttentionImpl(AttentionImpl):
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: CommonAttentionMetadata,
-                output: torch.Tensor) -> None:
-        check_shape_contract(metadata, query.shape[0])
-        if self.spec.writes_kv:
-            kv_write(kv_cache, key, value, metadata.slot_mapping)
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        kv_write(kv_cache, key, value, slot_mapping)
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: CommonAttentionMetadata, output: torch.Tensor) -> None:
         paged_attention(query, kv_cache, output, metadata.query_start_loc, metadata.seq_lens,
                         metadata.block_table, metadata.max_query_len, self.spec.scale,
                         self.spec.sliding_window, self.spec.logit_softcap)

@@ -45,15 +45,6 @@ ASSISTANT_TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
 ORDERED = dict(use_ordered_embeddings=True, num_centroids=16, centroid_intermediate_top_k=4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # NOTE: tiny matmuls gain nothing from a second OpenMP thread on a busy 2-core box.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
     """Norm weights and layer scalars away from 1, so a mis-loaded one shows."""
     gen = torch.Generator().manual_seed(seed)

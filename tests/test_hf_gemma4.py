@@ -57,16 +57,6 @@ def _hf_text_model(kwargs: dict) -> Gemma4ForCausalLM:
     return model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # NOTE: tiny matmuls gain nothing from a second OpenMP thread, and on a busy 2-core box
-    # spinning threads make HF's oracle several times slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _llm(folder, **kwargs) -> LLM:
     return LLM(folder, dtype="float32", device="cpu", max_num_seqs=4,
                max_num_batched_tokens=32, max_model_len=160, **kwargs)
