@@ -47,14 +47,15 @@ class Dispatcher:
 
     def dispatch(self, num_reqs: int, num_tokens: int,
                  uniform_query_len: int | None) -> BatchExecutionDescriptor:
-        eager = BatchExecutionDescriptor.eager(num_reqs, num_tokens, uniform_query_len)
         mode = self.runtime_mode(uniform_query_len)
         size = self.padded_size(num_tokens)
         if mode == CUDAGraphMode.NONE or size is None:
-            return eager       # above the largest captured size: run eagerly, never crash
-        if mode == CUDAGraphMode.PIECEWISE:
-            return eager.with_graph(mode, num_reqs, size)
-        return eager.with_graph(mode, self.full_graph_rows(size, uniform_query_len), size)
+            # above the largest captured size: run eagerly, never crash
+            return BatchExecutionDescriptor.eager(num_reqs, num_tokens, uniform_query_len)
+        rows = (num_reqs if mode == CUDAGraphMode.PIECEWISE
+                else self.full_graph_rows(size, uniform_query_len))
+        return BatchExecutionDescriptor(mode, num_reqs, rows, num_tokens, size,
+                                        uniform_query_len)
 
     def full_graph_rows(self, size: int, uniform_query_len: int | None) -> int:
         """Request rows a FULL graph of ``size`` tokens is captured with."""

@@ -37,12 +37,13 @@ class _HostDevicePair:
             host = host.pin_memory()
         self.np = host.numpy()
         self._host = host
+        self._on_device = device.type != "cpu"
         self.gpu = host if device.type == "cpu" else torch.empty_like(host, device=device)
 
-    def sync(self, rows: int) -> torch.Tensor:
-        if self.gpu.device.type != "cpu":
+    def sync(self, rows: int) -> None:
+        """Copy the first ``rows`` to the device (nothing to do on CPU: same memory)."""
+        if self._on_device:
             self.gpu[:rows].copy_(self._host[:rows], non_blocking=True)
-        return self.gpu[:rows]
 
 
 class InputBatch:
@@ -130,11 +131,16 @@ class InputBatch:
     def _layout(self, sched: SchedulerOutput, counts: np.ndarray, qsl: np.ndarray) -> BatchLayout:
         num_reqs = sched.num_reqs
         num_logits = [(1 + s.num_spec_tokens) if s.samples else 0 for s in sched.scheduled]
-        per_req = np.asarray(num_logits, dtype=np.int64)            # [num_reqs]
-        # the last num_logits[i] token rows of request i, all requests at once
-        first = np.repeat(qsl[1:num_reqs + 1] - per_req, per_req)
-        within = np.arange(int(per_req.sum())) - np.repeat(np.cumsum(per_req) - per_req, per_req)
-        logits_indices = (first + within).astype(np.int64)          # [num_logits]
+        ends = qsl[1:num_reqs + 1].astype(np.int64)
+        if all(n == 1 for n in num_logits):                          # plain decode / prefill
+            logits_indices = ends - 1                                 # [num_reqs]
+        else:
+            # the last num_logits[i] token rows of request i, all requests at once
+            per_req = np.asarray(num_logits, dtype=np.int64)        # [num_reqs]
+            first = np.repeat(ends - per_req, per_req)
+            within = np.arange(int(per_req.sum())) - np.repeat(np.cumsum(per_req) - per_req,
+                                                                per_req)
+            logits_indices = first + within                          # [num_logits]
         uniform = int(counts[0]) if num_reqs and bool((counts == counts[0]).all()) else None
         return BatchLayout(num_reqs, sched.num_tokens, uniform, int(counts.max(initial=0)),
                            int(self.seq_lens.np[:num_reqs].max(initial=0)), logits_indices,

@@ -54,14 +54,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput([], 0, [], [])
+        allocate, scheduled = self.kv.allocate, out.scheduled
         for req in list(self.running):
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:     # preempted earlier in this loop
                 continue
             num_new = self._num_new_tokens(req, budget)
-            if self._allocate_or_preempt(req, num_new, out):
-                out.scheduled.append(ScheduledRequest(req, num_new, len(req.spec_token_ids)))
+            # NOTE: the common case (the last block has room) never enters the preemption loop
+            if (allocate(req.request_id, req.num_computed_tokens + num_new)
+                    or self._allocate_or_preempt(req, num_new, out)):
+                scheduled.append(ScheduledRequest(req, num_new, len(req.spec_token_ids)))
                 budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -80,7 +83,8 @@ class Scheduler:
         out.num_tokens = sum(s.num_new_tokens for s in out.scheduled)
         return out
 
-    def _num_new_tokens(self, req: Request, budget: int) -> int:
+    @staticmethod
+    def _num_new_tokens(req: Request, budget: int) -> int:
         pending = len(req.token_ids) - req.num_computed_tokens
         if pending == 1 and req.spec_token_ids:
             # NOTE: drafts are verified whole or not at all, so a uniform batch stays uniform
