@@ -178,7 +178,8 @@ def rung_round(engine: LLMEngine, prompts: list[list[int]], output_len: int,
         outputs = engine.step()
         elapsed = time.perf_counter() - t0
         desc = engine.runner.last_desc
-        if all_started and desc.num_reqs == num_reqs and desc.uniform_query_len == 1:
+        decode_len = 1 + engine.config.num_spec_tokens      # 1 + k under spec decode
+        if all_started and desc.num_reqs == num_reqs and desc.uniform_query_len == decode_len:
             rnd.step_s.append(elapsed)
             rnd.padding_waste.append(desc.num_tokens_padded / desc.num_tokens - 1)
             rnd.graph = None if desc.mode == CUDAGraphMode.NONE else (
@@ -250,20 +251,25 @@ def mode_summary(engine: LLMEngine, label: str, max_num_reqs: int) -> dict[str, 
     summary: dict[str, Any] = {"mode": label, "cudagraph_mode": "none", "num_graphs": 0,
                                "capture_s": 0.0, "capture_bytes": 0, "capture_sizes": [],
                                "ladder_padding_waste": 0.0}
+    if engine.spec_stats is not None:
+        summary["spec"] = engine.spec_stats.as_dict()
     if graphs is None:
         return summary
     summary.update(cudagraph_mode=graphs.mode.value, num_graphs=len(graphs.records),
                    capture_s=sum(r.seconds for r in graphs.records),
                    capture_bytes=sum(r.nbytes for r in graphs.records),
                    capture_sizes=list(graphs.dispatcher.sizes),
-                   ladder_padding_waste=ladder_padding_waste(graphs.dispatcher.padded_size,
-                                                             max_num_reqs))
+                   ladder_padding_waste=ladder_padding_waste(
+                       graphs.dispatcher.padded_size, max_num_reqs,
+                       graphs.dispatcher.decode_query_len))
     return summary
 
 
-def ladder_padding_waste(padded_size: Any, max_num_reqs: int) -> float:
-    """Mean of padded / real - 1 over every decode batch of 1..max_num_reqs requests."""
-    wastes = [(padded_size(n) or n) / n - 1 for n in range(1, max_num_reqs + 1)]
+def ladder_padding_waste(padded_size: Any, max_num_reqs: int, decode_len: int = 1) -> float:
+    """Mean of padded / real - 1 over every decode batch of 1..max_num_reqs requests, each
+    running ``decode_len`` tokens (1 + k under spec decode)."""
+    wastes = [(padded_size(n * decode_len) or n * decode_len) / (n * decode_len) - 1
+              for n in range(1, max_num_reqs + 1)]
     return sum(wastes) / len(wastes)
 
 

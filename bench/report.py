@@ -91,6 +91,10 @@ def format_table(records: list[dict[str, Any]], modes: list[dict[str, Any]]) -> 
                      f"graphs captured in {m['capture_s']:.1f} s, "
                      f"{m['capture_bytes'] / 2**20:.1f} MiB; ladder padding waste over "
                      f"1..max requests {m['ladder_padding_waste']:.1%}")
+        if "spec" in m:
+            lines.append(f"{m['mode']}: speculative acceptance rate "
+                         f"{m['spec']['acceptance_rate']:.2f}, mean tokens per step "
+                         f"{m['spec']['mean_tokens_per_step']:.2f}")
     return "\n".join(lines)
 
 
