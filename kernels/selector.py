@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from rung.kernels.backend import AttentionBackend
@@ -24,15 +26,26 @@ def _known() -> dict[str, type[AttentionBackend]]:
     return _BACKENDS
 
 
-def select_backend(name: str, device: torch.device) -> type[AttentionBackend]:
-    """`auto`: CUDA + flash-attn -> FLASH_ATTN, CUDA -> TRITON, CPU -> TORCH."""
+def select_backend(name: str, device: torch.device,
+                   accepts: Callable[[type[AttentionBackend]], None] | None = None
+                   ) -> type[AttentionBackend]:
+    """`auto`: CUDA + flash-attn -> FLASH_ATTN, CUDA -> TRITON, CPU -> TORCH, skipping a
+    backend that ``accepts`` rejects (ValueError) for this model and config, e.g. a page
+    size flash-attn cannot take."""
     backends = _known()
     key = name.upper()
     if key == "AUTO":
         order = ["FLASH_ATTN", "TRITON", "TORCH"] if device.type == "cuda" else ["TORCH"]
         for candidate in order:
-            if candidate in backends and backends[candidate].is_available(device)[0]:
-                return backends[candidate]
+            backend = backends.get(candidate)
+            if backend is None or not backend.is_available(device)[0]:
+                continue
+            try:
+                if accepts is not None:
+                    accepts(backend)
+            except ValueError:
+                continue
+            return backend
         return TorchBackend
     if key not in backends:
         raise ValueError(f"unknown attention_backend {name!r}; expected auto or one of "

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from rung.kernels.attention import Attention
-from rung.kernels.backend import kv_cache_shape
+from rung.kernels.backend import AttentionBackend, kv_cache_shape
 from rung.kernels.selector import select_backend
 from rung.models.loader import LoadedModel
 from rung.runtime.attention_groups import build_attention_groups, build_layer_metadata
@@ -46,8 +46,9 @@ class ModelRunner:
         self.device = config.device
         self.max_model_len = max_model_len
         self.vocab_size = loaded.config["vocab_size"]
-        self.backend = select_backend(config.attention_backend, config.device)
         self.layers = find_attention_layers(self.model)
+        self.backend = select_backend(config.attention_backend, config.device,
+                                      self._check_layers)
         self._init_kv_groups()
         self.num_blocks = self._num_blocks()
         self._bind_kv_caches()
@@ -61,10 +62,15 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None   # [num_tokens_padded, hidden]
 
     # --- set-up -----------------------------------------------------------------------
-    def _init_kv_groups(self) -> None:
+    def _check_layers(self, backend: type[AttentionBackend]) -> None:
+        """ValueError if ``backend`` cannot run one of the model's layers."""
         cfg = self.config
         for layer in self.layers.values():
-            self.backend.validate_layer(layer.spec, layer.kv_spec(cfg.block_size, cfg.dtype))
+            backend.validate_layer(layer.spec, layer.kv_spec(cfg.block_size, cfg.dtype))
+
+    def _init_kv_groups(self) -> None:
+        cfg = self.config
+        self._check_layers(self.backend)
         own = {n: layer.kv_spec(cfg.block_size, cfg.dtype)
                for n, layer in self.layers.items() if layer.kv_sharing_target is None}
         self.kv_groups: list[KVCacheGroup] = group_layers_by_spec(own)

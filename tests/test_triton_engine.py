@@ -1,6 +1,12 @@
-"""The engine on the Triton backend (interpreted on CPU) gives the torch backend's tokens."""
+"""Backend choice: the engine on Triton (interpreted on CPU) gives the torch backend's
+tokens; `auto` skips a backend that rejects the config."""
 
+import torch
+
+from rung.kernels import selector
+from rung.kernels.torch_backend import TorchBackend
 from rung.runtime import LLM, SamplingParams
+from rung.runtime.kv_cache_spec import KVCacheSpec
 
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "max_model_len": 64,
           "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4]}}
@@ -22,3 +28,27 @@ def test_triton_backend_matches_torch_with_graphs_on():
     replays = triton_llm.engine.stats()["graph_replays"]
     assert any(k.startswith("FULL") for k in replays) and any(
         k.startswith("PIECEWISE") for k in replays), replays
+
+
+class _PickyBackend(TorchBackend):
+    """Available everywhere, but refuses the default page size, as flash-attn 2 does."""
+
+    name = "PICKY"
+
+    @classmethod
+    def validate_layer(cls, layer, kv_spec) -> None:
+        if kv_spec.block_size % 256:
+            raise ValueError(f"block_size {kv_spec.block_size} is not a multiple of 256")
+
+
+def test_auto_skips_a_backend_that_rejects_the_config(monkeypatch):
+    accepted = []
+
+    def accepts(backend):
+        accepted.append(backend.name)
+        backend.validate_layer(None, KVCacheSpec(16, 1, 8, torch.float32))
+
+    monkeypatch.setattr(selector, "_known", lambda: {"FLASH_ATTN": _PickyBackend,
+                                                     "TORCH": TorchBackend})
+    chosen = selector.select_backend("auto", torch.device("cuda"), accepts)
+    assert chosen is TorchBackend and accepted == ["PICKY", "TORCH"]
