@@ -16,7 +16,8 @@ from rung.runtime import LLM, SamplingParams
 from rung.runtime.cli import main as cli_main
 
 SIZES = [1, 2, 4, 8]
-ENGINE = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 96}
+ENGINE = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 96,
+          "dtype": "float32"}  # fp32 on a GPU too: replays are held to 1e-5
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 

@@ -4,7 +4,8 @@ import pytest
 
 from rung.runtime import LLM, SamplingParams, attention_metadata
 
-ENGINE = {"max_model_len": 160, "max_num_seqs": 8, "max_num_batched_tokens": 64}
+ENGINE = {"max_model_len": 160, "max_num_seqs": 8, "max_num_batched_tokens": 64,
+          "dtype": "float32"}
 MODES = {"none": {"enforce_eager": True},
          "piecewise": {"compilation_config": {"cudagraph_mode": "piecewise",
                                               "cudagraph_capture_sizes": [1, 2, 4, 8]}},

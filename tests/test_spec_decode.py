@@ -15,7 +15,8 @@ MODES = {"none": {"enforce_eager": True},
          "piecewise": {"compilation_config": {"cudagraph_mode": "piecewise",
                                               "cudagraph_capture_sizes": [4, 8, 16]}},
          "full_and_piecewise": {"compilation_config": {"cudagraph_capture_sizes": [4, 8, 16]}}}
-ENGINE = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 64}
+ENGINE = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 64,
+          "dtype": "float32"}
 
 
 @pytest.fixture(scope="module")
