@@ -14,7 +14,12 @@ from rung.graphs.dispatcher import Dispatcher, downgrade
 from rung.graphs.ladder import capture_sizes
 from rung.graphs.mode import CUDAGraphMode
 from rung.runtime.descriptor import BatchExecutionDescriptor
-from rung.runtime.forward_context import ForwardContext, current_descriptor, forward_context
+from rung.runtime.forward_context import (
+    ForwardContext,
+    current_descriptor,
+    forward_context,
+    get_forward_context,
+)
 
 
 @dataclasses.dataclass
@@ -124,8 +129,6 @@ class GraphManager:
             positions: torch.Tensor) -> torch.Tensor:
         if desc.mode == CUDAGraphMode.FULL:
             graph = self.full_graphs[(desc.num_tokens_padded, desc.num_reqs_padded)]
-            from rung.runtime.forward_context import get_forward_context
-
             return graph.replay(self._full_inputs(ids, positions, get_forward_context()))
         return self._forward_fn(ids, positions)
 

@@ -61,8 +61,3 @@ class BatchExecutionDescriptor:
         num_tokens = self.num_reqs * num_query_tokens
         return BatchExecutionDescriptor(CUDAGraphMode.NONE, self.num_reqs, self.num_reqs,
                                         num_tokens, num_tokens, num_query_tokens)
-
-    def with_graph(self, mode: CUDAGraphMode, num_reqs_padded: int,
-                   num_tokens_padded: int) -> BatchExecutionDescriptor:
-        return dataclasses.replace(self, mode=mode, num_reqs_padded=num_reqs_padded,
-                                   num_tokens_padded=num_tokens_padded)
