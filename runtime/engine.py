@@ -6,14 +6,15 @@ import collections
 import time
 from typing import Any, Callable
 
+from rung.graphs.mode import CUDAGraphMode
 from rung.models.loader import LoadedModel, load_model
 from rung.runtime.config import EngineConfig
 from rung.runtime.kv_cache_manager import KVCacheManager
-from rung.runtime.model_runner import ModelRunner
+from rung.runtime.model_runner import ModelRunner, ModelRunnerOutput
 from rung.runtime.outputs import CompletionOutput, RequestOutput
 from rung.runtime.request import Request
 from rung.runtime.sampling_params import SamplingParams
-from rung.runtime.scheduler import Scheduler
+from rung.runtime.scheduler import Scheduler, SchedulerOutput
 from rung.runtime.spec_decode import SpecStats, make_proposer
 
 Prompt = str | dict
@@ -142,7 +143,7 @@ class LLMEngine:
             self._propose(sched, result)
         return outputs
 
-    def _propose(self, sched, result) -> None:
+    def _propose(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """Drafts for every request that got a token this step and is still running."""
         reqs = [s.request for s in sched.scheduled]
         drafts = self.proposer.propose(self.runner.last_desc.for_drafting(), reqs, result)
@@ -154,7 +155,7 @@ class LLMEngine:
 
     def _count_step(self) -> None:
         desc = self.runner.last_desc
-        if desc.mode.value == "none":
+        if desc.mode == CUDAGraphMode.NONE:
             self._stats["eager_steps"] += 1
         else:
             self.graph_replays[f"{desc.mode.name}:{desc.num_tokens_padded}"] += 1

@@ -8,6 +8,7 @@ import itertools
 import numpy as np
 import torch
 
+from rung.graphs.mode import CUDAGraphMode
 from rung.runtime.attention_metadata import CommonAttentionMetadata
 from rung.runtime.descriptor import BatchExecutionDescriptor
 from rung.runtime.kv_cache_manager import NULL_BLOCK
@@ -171,7 +172,7 @@ class InputBatch:
                         max_model_len: int) -> list[CommonAttentionMetadata]:
         """One CommonAttentionMetadata per KV cache group, views sliced by ``desc``."""
         n_pad, t_pad = desc.num_reqs_padded, desc.num_tokens_padded
-        full_graph = desc.mode.value == "full"
+        full_graph = desc.mode == CUDAGraphMode.FULL
         # NOTE: under a FULL graph the kernel must read up to max_model_len keys: the
         # same graph replays for every later (longer) batch of this size.
         max_seq_len = max_model_len if full_graph else layout.max_seq_len
