@@ -64,6 +64,7 @@ class InputBatch:
                               for _ in range(num_kv_groups)]      # per group, -1 for pads
         self._num_reqs = self._num_tokens = 0
         self._row_keys: list[tuple | None] = [None] * max_num_reqs
+        self._arange = np.arange(max(max_num_reqs, max_num_tokens))   # read-only
 
     def poison(self, rng: np.random.Generator, vocab_size: int, num_blocks: int) -> None:
         """Fill every buffer with garbage, so a pad value `pad()` forgets shows up."""
@@ -97,8 +98,12 @@ class InputBatch:
             self.input_ids.np[:num_tokens] = list(
                 itertools.chain.from_iterable(_step_tokens(s) for s in sched.scheduled))
         self._write_block_rows(sched, block_ids)
-        req_of_token = np.repeat(np.arange(num_reqs), counts)       # [num_tokens]
-        positions = np.arange(num_tokens) - qsl[req_of_token] + starts[req_of_token]
+        if num_tokens == num_reqs:          # token i is request i's token at its start
+            req_of_token, positions = self._arange[:num_reqs], starts
+        else:
+            req_of_token = np.repeat(self._arange[:num_reqs], counts)   # [num_tokens]
+            positions = (self._arange[:num_tokens] - qsl[req_of_token]
+                         + starts[req_of_token])
         self.positions.np[:num_tokens] = positions
         for g, bt in enumerate(self.block_tables):
             block = bt.np[req_of_token, positions // self.block_size].astype(np.int64)
@@ -110,18 +115,19 @@ class InputBatch:
     def _write_block_rows(self, sched: SchedulerOutput,
                           block_ids: list[list[list[int]]]) -> None:
         """Rewrite a block-table row only when its request or block count changed."""
-        for i, s in enumerate(sched.scheduled):
+        keys, tables = self._row_keys, self.block_tables
+        for i, (s, req_blocks) in enumerate(zip(sched.scheduled, block_ids)):
             req = s.request
             # NOTE: a preempted request gets new blocks, so its preemption count is part
             # of the key; pad() and poison() clear the keys of rows they overwrite.
-            key = (req.request_id, req.num_preemptions, len(block_ids[i][0]))
-            if self._row_keys[i] == key:
+            key = (req.request_id, req.num_preemptions, len(req_blocks[0]))
+            if keys[i] == key:
                 continue
-            for g, blocks in enumerate(block_ids[i]):
-                row = self.block_tables[g].np[i]
+            for table, blocks in zip(tables, req_blocks):
+                row = table.np[i]
                 row[:len(blocks)] = blocks
                 row[len(blocks):] = NULL_BLOCK
-            self._row_keys[i] = key
+            keys[i] = key
 
     def prepare_empty(self) -> BatchLayout:
         """A batch of no real request (graph capture)."""
@@ -152,14 +158,17 @@ class InputBatch:
         n, n_pad = desc.num_reqs, desc.num_reqs_padded
         t, t_pad = desc.num_tokens, desc.num_tokens_padded
         assert (n, t) == (self._num_reqs, self._num_tokens), "pad() for another batch"
-        self.query_start_loc.np[n + 1:n_pad + 1] = t    # zero-length pads keep it flat
-        self.seq_lens.np[n:n_pad] = 0
-        self.input_ids.np[t:t_pad] = 0
-        self.positions.np[t:t_pad] = 0
-        for bt, sm in zip(self.block_tables, self.slot_mappings):
-            bt.np[n:n_pad] = NULL_BLOCK
-            sm.np[t:t_pad] = -1
-        self._row_keys[n:n_pad] = [None] * (n_pad - n)
+        if n_pad > n:
+            self.query_start_loc.np[n + 1:n_pad + 1] = t    # zero-length pads keep it flat
+            self.seq_lens.np[n:n_pad] = 0
+            for bt in self.block_tables:
+                bt.np[n:n_pad] = NULL_BLOCK
+            self._row_keys[n:n_pad] = [None] * (n_pad - n)
+        if t_pad > t:
+            self.input_ids.np[t:t_pad] = 0
+            self.positions.np[t:t_pad] = 0
+            for sm in self.slot_mappings:
+                sm.np[t:t_pad] = -1
         self.input_ids.sync(t_pad)
         self.positions.sync(t_pad)
         self.query_start_loc.sync(n_pad + 1)

@@ -60,7 +60,8 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:     # preempted earlier in this loop
                 continue
-            num_new = self._num_new_tokens(req, budget)
+            num_new = (self._num_new_tokens(req, budget) if req.spec_token_ids
+                       else min(len(req.token_ids) - req.num_computed_tokens, budget))
             # NOTE: the common case (the last block has room) never enters the preemption loop
             if (allocate(req.request_id, req.num_computed_tokens + num_new)
                     or self._allocate_or_preempt(req, num_new, out)):
