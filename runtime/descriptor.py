@@ -47,11 +47,6 @@ class BatchExecutionDescriptor:
         return cls(CUDAGraphMode.NONE, num_reqs, num_reqs, num_tokens, num_tokens,
                    uniform_query_len)
 
-    @property
-    def is_padded(self) -> bool:
-        return (self.num_reqs_padded != self.num_reqs
-                or self.num_tokens_padded != self.num_tokens)
-
     def for_drafting(self, num_query_tokens: int = 1) -> BatchExecutionDescriptor:
         """Descriptor of a draft step: ``num_query_tokens`` per REAL request.
 

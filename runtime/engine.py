@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import time
 from typing import Any, Callable
 
 from rung.graphs.mode import CUDAGraphMode
@@ -33,8 +32,7 @@ class LLMEngine:
                              f"max_position_embeddings={model_max}")
         self.runner = ModelRunner(config, self.loaded, self.max_model_len)
         self.kv = KVCacheManager(self.runner.kv_groups, self.runner.num_blocks)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
         self._stats: collections.Counter = collections.Counter()
@@ -123,9 +121,7 @@ class LLMEngine:
         if not sched.scheduled:
             return outputs
         block_ids = [self.kv.block_ids(s.request.request_id) for s in sched.scheduled]
-        start = time.perf_counter()
         result = self.runner.execute(sched, block_ids)
-        self._stats["step_time_s"] += time.perf_counter() - start
         self._count_step()
         for s in sched.scheduled:
             req = s.request

@@ -46,13 +46,6 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return sum(p.num_free for p in self.pools)
 
-    @property
-    def max_blocks_per_group(self) -> int:
-        return self.pools[0].num_blocks - 1
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def allocate(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's blocks to hold ``num_tokens``; all groups or none."""
         blocks = self.req_blocks.get(request_id)

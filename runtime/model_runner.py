@@ -18,7 +18,7 @@ from rung.runtime.config import EngineConfig
 from rung.runtime.descriptor import BatchExecutionDescriptor
 from rung.runtime.forward_context import ForwardContext, forward_context
 from rung.runtime.input_batch import BatchLayout, InputBatch
-from rung.runtime.kv_cache_spec import KVCacheGroup, KVCacheSpec, group_layers_by_spec
+from rung.runtime.kv_cache_spec import KVCacheGroup, group_layers_by_spec
 from rung.runtime.outputs import Logprob
 from rung.runtime.rejection_sampler import rejection_sample
 from rung.runtime.request import Request
@@ -106,9 +106,6 @@ class ModelRunner:
                                                    device=self.device)
         for name, layer in self.layers.items():
             layer.bind(self.backend, self.kv_caches[layer.kv_sharing_target or name])
-
-    def kv_specs(self) -> list[KVCacheSpec]:
-        return [g.spec for g in self.kv_groups]
 
     # --- one step -----------------------------------------------------------------------
     def dispatch(self, layout: BatchLayout) -> BatchExecutionDescriptor:
