@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from rung.graphs.capture import CapturedGraph
+from rung.graphs.dispatcher import Dispatcher
 from rung.graphs.ladder import draft_capture_sizes
 from rung.graphs.mode import CUDAGraphMode, GraphSupport
 from rung.models.loader import load_model
@@ -101,7 +102,8 @@ class MtpProposer(Proposer):
                                 runner.input_batch.block_tables[0].np.shape[1],
                                 len(runner.kv_groups), backbone, config.dtype, runner.device)
         self.graphs: dict[int, CapturedGraph] = {}
-        self.sizes: list[int] = []
+        # one query per request: FULL on the draft ladder, eager above it (or without graphs)
+        self.dispatcher = Dispatcher(CUDAGraphMode.NONE, [], runner.input_batch.max_num_reqs)
         self.records: list[dict] = []
         self._poison_rng = np.random.default_rng(config.seed + 7)
 
@@ -143,10 +145,12 @@ class MtpProposer(Proposer):
         if self.runner.backend.graph_support < GraphSupport.UNIFORM_BATCH:
             return
         self.capture_backend = graphs.capture_backend
-        self.sizes = draft_capture_sizes(self.config.compilation.cudagraph_capture_sizes,
-                                         self.runner.input_batch.max_num_reqs)
+        sizes = draft_capture_sizes(self.config.compilation.cudagraph_capture_sizes,
+                                    self.runner.input_batch.max_num_reqs)
+        self.dispatcher = Dispatcher(CUDAGraphMode.FULL_DECODE_ONLY, sizes,
+                                     self.runner.input_batch.max_num_reqs)
         with torch.inference_mode():
-            for size in reversed(self.sizes):
+            for size in reversed(sizes):
                 start = time.perf_counter()
                 desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, 0, size, 0, size)
                 self.batch.fill([], [bt.np for bt in self.runner.input_batch.block_tables],
@@ -159,13 +163,6 @@ class MtpProposer(Proposer):
                                      "seconds": time.perf_counter() - start,
                                      "nbytes": graph.nbytes})
 
-    def _dispatch(self, num_reqs: int) -> BatchExecutionDescriptor:
-        for size in self.sizes:
-            if size >= num_reqs:
-                return BatchExecutionDescriptor(CUDAGraphMode.FULL, num_reqs, size, num_reqs,
-                                                size, 1)
-        return BatchExecutionDescriptor.eager(num_reqs, num_reqs, 1)
-
     # --- one draft step -------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, desc: BatchExecutionDescriptor, reqs: list[Request],
@@ -174,7 +171,7 @@ class MtpProposer(Proposer):
             "draft steps run one query per real request")
         if not reqs:
             return []
-        draft_desc = self._dispatch(desc.num_reqs)
+        draft_desc = self.dispatcher.dispatch(desc.num_reqs, desc.num_reqs, 1)
         self.last_desc = draft_desc
         if self.config.debug_padding:
             self.batch.poison(self._poison_rng, self.runner.num_blocks)
