@@ -194,9 +194,9 @@ class LLMEngine:
         return out
 
     def _output(self, req: Request) -> RequestOutput:
-        ids = req.output_token_ids
         decode = self.tokenizer.decode if self.tokenizer is not None else None
-        completion = CompletionOutput(0, list(ids),
+        # NOTE: output_token_ids is already a fresh slice; it is not copied again
+        completion = CompletionOutput(0, req.output_token_ids,
                                       req.cumulative_logprob if req.logprobs is not None
                                       else None,
                                       list(req.logprobs) if req.logprobs is not None else None,

@@ -28,7 +28,7 @@ class BatchLayout:
     num_logits_per_req: list[int]  # 0 (prefill chunk), 1, or 1 + num_spec_tokens
 
 
-class _HostDevicePair:
+class HostDevicePair:
     """A numpy host buffer and the device tensor graphs read (the same memory on CPU)."""
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype, device: torch.device) -> None:
@@ -53,7 +53,7 @@ class InputBatch:
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
         self.block_size = block_size
-        pair = lambda shape, dt: _HostDevicePair(shape, dt, device)
+        pair = lambda shape, dt: HostDevicePair(shape, dt, device)
         self.input_ids = pair((max_num_tokens,), np.int64)        # [max_num_tokens]
         self.positions = pair((max_num_tokens,), np.int64)        # [max_num_tokens]
         self.query_start_loc = pair((max_num_reqs + 1,), np.int32)  # [max_num_reqs + 1]

@@ -22,7 +22,7 @@ from rung.runtime.attention_groups import build_attention_groups, build_layer_me
 from rung.runtime.attention_metadata import CommonAttentionMetadata
 from rung.runtime.descriptor import BatchExecutionDescriptor
 from rung.runtime.forward_context import ForwardContext, forward_context
-from rung.runtime.input_batch import _HostDevicePair
+from rung.runtime.input_batch import HostDevicePair
 from rung.runtime.kv_cache_manager import NULL_BLOCK
 from rung.runtime.model_runner import find_attention_layers
 from rung.runtime.request import Request
@@ -35,7 +35,7 @@ class DraftBatch:
     def __init__(self, max_num_reqs: int, max_blocks_per_req: int, num_kv_groups: int,
                  backbone_hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         def pair(shape, dt):
-            return _HostDevicePair(shape, dt, device)
+            return HostDevicePair(shape, dt, device)
 
         self.input_ids = pair((max_num_reqs,), np.int64)           # [max_num_reqs] last token
         self.positions = pair((max_num_reqs,), np.int64)           # [max_num_reqs]
