@@ -10,11 +10,9 @@ from rung.runtime.sampler import apply_min_tokens, sampling_probs
 
 def mask_min_tokens(logits: torch.Tensor, req: Request) -> torch.Tensor:
     """Row i is the position of output token num_output_tokens + i. logits [k + 1, V]."""
-    rows = []
-    for i in range(logits.shape[0]):
-        shifted = _Shifted(req, i)
-        rows.append(apply_min_tokens(logits[i:i + 1].clone(), [shifted]))
-    return torch.cat(rows)
+    if req.num_output_tokens >= req.params.min_tokens:
+        return logits
+    return apply_min_tokens(logits.clone(), [_Shifted(req, i) for i in range(logits.shape[0])])
 
 
 class _Shifted:

@@ -110,3 +110,16 @@ def test_drafting_descriptor_ignores_graph_and_data_parallel_padding():
 def test_bad_speculative_config(spec, match):
     with pytest.raises(ValueError, match=match):
         LLM("tiny-llama", speculative_config=spec, enforce_eager=True)
+
+
+def test_min_tokens_holds_stop_tokens_back_under_speculation():
+    base = LLM("tiny-llama", enforce_eager=True, **ENGINE)
+    free = base.generate(["abcabcabcabc"], SamplingParams(temperature=0, max_tokens=12))
+    stop = free[0].outputs[0].token_ids[1]
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=[stop])
+    want = base.generate(["abcabcabcabc"], params)[0].outputs[0]
+    spec = LLM("tiny-llama", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+               enforce_eager=True, **ENGINE)
+    got = spec.generate(["abcabcabcabc"], params)[0].outputs[0]
+    assert got.token_ids == want.token_ids and len(got.token_ids) >= 6
+    assert stop not in got.token_ids[:6]
