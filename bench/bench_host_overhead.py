@@ -18,10 +18,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rung.core.descriptor import BatchExecutionDescriptor
+from rung.core.graph_mode import CUDAGraphMode
 from rung.graphs.dispatcher import Dispatcher
 from rung.graphs.ladder import capture_sizes
-from rung.graphs.mode import CUDAGraphMode
-from rung.runtime.descriptor import BatchExecutionDescriptor
 from rung.runtime.engine import LLMEngine
 from rung.runtime.llm import LLM
 from rung.runtime.sampling_params import SamplingParams

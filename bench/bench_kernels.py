@@ -18,12 +18,12 @@ if not ON_CUDA:
 
 import pytest  # noqa: E402
 
+from rung.core.attention_metadata import CommonAttentionMetadata  # noqa: E402
+from rung.core.descriptor import BatchExecutionDescriptor  # noqa: E402
 from rung.kernels.backend import AttentionLayerSpec  # noqa: E402
 from rung.kernels.torch_backend import paged_attention_ref, write_kv  # noqa: E402
 from rung.kernels.triton.kv_write import kv_write  # noqa: E402
 from rung.kernels.triton.paged_attention import paged_attention  # noqa: E402
-from rung.runtime.attention_metadata import CommonAttentionMetadata  # noqa: E402
-from rung.runtime.descriptor import BatchExecutionDescriptor  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 DTYPE = torch.bfloat16 if ON_CUDA else torch.float32

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from rung.bench.floor import MatmulFloor
 from rung.bench.report import environment, format_table, loadavg, plot_latency
 from rung.bench.stats import percentiles_ms
-from rung.graphs.mode import CUDAGraphMode
+from rung.core.graph_mode import CUDAGraphMode
 from rung.runtime.engine import LLMEngine
 from rung.runtime.sampling_params import SamplingParams
 

@@ -12,8 +12,8 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
-from rung.graphs.mode import CUDAGraphMode
-from rung.runtime.forward_context import current_descriptor
+from rung.core.forward_context import current_descriptor
+from rung.core.graph_mode import CUDAGraphMode
 
 _ATTENTION_TARGETS = ("rung.unified_attention", "rung::unified_attention")
 

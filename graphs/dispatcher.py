@@ -5,8 +5,8 @@ from __future__ import annotations
 import bisect
 import logging
 
-from rung.graphs.mode import CUDAGraphMode, GraphSupport
-from rung.runtime.descriptor import BatchExecutionDescriptor
+from rung.core.descriptor import BatchExecutionDescriptor
+from rung.core.graph_mode import CUDAGraphMode, GraphSupport
 
 logger = logging.getLogger("rung.graphs")
 

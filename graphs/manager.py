@@ -8,18 +8,18 @@ from typing import Any, Callable
 
 import torch
 
-from rung.graphs.capture import CapturedGraph, make_capture_backend
-from rung.graphs.compiler import compile_model
-from rung.graphs.dispatcher import Dispatcher, downgrade
-from rung.graphs.ladder import capture_sizes
-from rung.graphs.mode import CUDAGraphMode
-from rung.runtime.descriptor import BatchExecutionDescriptor
-from rung.runtime.forward_context import (
+from rung.core.descriptor import BatchExecutionDescriptor
+from rung.core.forward_context import (
     ForwardContext,
     current_descriptor,
     forward_context,
     get_forward_context,
 )
+from rung.core.graph_mode import CUDAGraphMode
+from rung.graphs.capture import CapturedGraph, make_capture_backend
+from rung.graphs.compiler import compile_model
+from rung.graphs.dispatcher import Dispatcher, downgrade
+from rung.graphs.ladder import capture_sizes
 
 
 @dataclasses.dataclass

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rung.core.forward_context import get_forward_context
+from rung.core.kv_cache_spec import KVCacheSpec
 from rung.kernels.backend import AttentionBackend, AttentionImpl, AttentionLayerSpec
-from rung.runtime.forward_context import get_forward_context
-from rung.runtime.kv_cache_spec import KVCacheSpec
 
 ATTENTION_OP = "rung::unified_attention"
 

@@ -7,9 +7,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from rung.graphs.mode import GraphSupport
-from rung.runtime.attention_metadata import CommonAttentionMetadata
-from rung.runtime.kv_cache_spec import KVCacheSpec
+from rung.core.attention_metadata import CommonAttentionMetadata
+from rung.core.graph_mode import GraphSupport
+from rung.core.kv_cache_spec import KVCacheSpec
 
 
 @dataclasses.dataclass(frozen=True)

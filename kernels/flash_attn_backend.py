@@ -16,15 +16,15 @@ from collections.abc import Callable
 
 import torch
 
-from rung.graphs.mode import GraphSupport
+from rung.core.attention_metadata import CommonAttentionMetadata
+from rung.core.graph_mode import GraphSupport
+from rung.core.kv_cache_spec import KVCacheSpec
 from rung.kernels.backend import (
     AttentionBackend,
     AttentionImpl,
     AttentionLayerSpec,
 )
 from rung.kernels.selector import register_backend
-from rung.runtime.attention_metadata import CommonAttentionMetadata
-from rung.runtime.kv_cache_spec import KVCacheSpec
 
 # NOTE: flash-attn 2's varlen_fwd checks `page_block_size % 256 == 0` for paged KV,
 # `head_size <= 256` and `head_size % 8 == 0` (its Python wrapper pads other head sizes,

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from rung.graphs.mode import GraphSupport
+from rung.core.attention_metadata import CommonAttentionMetadata
+from rung.core.graph_mode import GraphSupport
 from rung.kernels.backend import (
     AttentionBackend,
     AttentionImpl,
     AttentionLayerSpec,
 )
-from rung.runtime.attention_metadata import CommonAttentionMetadata
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

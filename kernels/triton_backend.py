@@ -10,15 +10,15 @@ import os
 
 import torch
 
-from rung.graphs.mode import GraphSupport
+from rung.core.attention_metadata import CommonAttentionMetadata
+from rung.core.graph_mode import GraphSupport
+from rung.core.kv_cache_spec import KVCacheSpec
 from rung.kernels.backend import (
     AttentionBackend,
     AttentionImpl,
     AttentionLayerSpec,
 )
 from rung.kernels.selector import register_backend
-from rung.runtime.attention_metadata import CommonAttentionMetadata
-from rung.runtime.kv_cache_spec import KVCacheSpec
 
 try:
     from rung.kernels.triton.kv_write import _kv_write_kernel, kv_write

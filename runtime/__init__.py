@@ -1,7 +1,6 @@
 """rung.runtime: the public API (`LLM`, `LLMEngine`, `SamplingParams`, outputs).
 
-Names resolve lazily so importing a submodule (e.g. `rung.runtime.descriptor` from a
-kernel) never drags the whole engine in.
+Names resolve lazily so importing `rung.runtime` stays cheap until a name is used.
 """
 
 import importlib

@@ -6,10 +6,10 @@ import dataclasses
 
 import torch
 
+from rung.core.attention_metadata import CommonAttentionMetadata, validate
+from rung.core.kv_cache_spec import KVCacheSpec
 from rung.kernels.attention import Attention
 from rung.kernels.backend import AttentionBackend, AttentionMetadataBuilder
-from rung.runtime.attention_metadata import CommonAttentionMetadata, validate
-from rung.runtime.kv_cache_spec import KVCacheSpec
 
 
 @dataclasses.dataclass(frozen=True)

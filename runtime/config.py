@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rung.graphs.mode import CUDAGraphMode
+from rung.core.graph_mode import CUDAGraphMode
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

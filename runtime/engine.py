@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 from typing import Any, Callable
 
-from rung.graphs.mode import CUDAGraphMode
+from rung.core.graph_mode import CUDAGraphMode
 from rung.models.loader import LoadedModel, load_model
 from rung.runtime.config import EngineConfig
 from rung.runtime.kv_cache_manager import KVCacheManager

@@ -8,9 +8,9 @@ import itertools
 import numpy as np
 import torch
 
-from rung.graphs.mode import CUDAGraphMode
-from rung.runtime.attention_metadata import CommonAttentionMetadata
-from rung.runtime.descriptor import BatchExecutionDescriptor
+from rung.core.attention_metadata import CommonAttentionMetadata
+from rung.core.descriptor import BatchExecutionDescriptor
+from rung.core.graph_mode import CUDAGraphMode
 from rung.runtime.kv_cache_manager import NULL_BLOCK
 from rung.runtime.scheduler import ScheduledRequest, SchedulerOutput
 

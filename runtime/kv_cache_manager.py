@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rung.runtime.kv_cache_spec import KVCacheGroup
+from rung.core.kv_cache_spec import KVCacheGroup
 
 NULL_BLOCK = 0  # never allocated; pad rows and unused block-table entries point here
 

@@ -8,17 +8,17 @@ import math
 import numpy as np
 import torch
 
+from rung.core.attention_metadata import CommonAttentionMetadata
+from rung.core.descriptor import BatchExecutionDescriptor
+from rung.core.forward_context import ForwardContext, forward_context
+from rung.core.kv_cache_spec import KVCacheGroup, group_layers_by_spec
 from rung.kernels.attention import Attention
 from rung.kernels.backend import AttentionBackend, kv_cache_shape
 from rung.kernels.selector import select_backend
 from rung.models.loader import LoadedModel
 from rung.runtime.attention_groups import build_attention_groups, build_layer_metadata
-from rung.runtime.attention_metadata import CommonAttentionMetadata
 from rung.runtime.config import EngineConfig
-from rung.runtime.descriptor import BatchExecutionDescriptor
-from rung.runtime.forward_context import ForwardContext, forward_context
 from rung.runtime.input_batch import BatchLayout, InputBatch
-from rung.runtime.kv_cache_spec import KVCacheGroup, group_layers_by_spec
 from rung.runtime.outputs import Logprob
 from rung.runtime.rejection_sampler import rejection_sample
 from rung.runtime.request import Request

@@ -13,15 +13,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from rung.core.attention_metadata import CommonAttentionMetadata
+from rung.core.descriptor import BatchExecutionDescriptor
+from rung.core.forward_context import ForwardContext, forward_context
+from rung.core.graph_mode import CUDAGraphMode, GraphSupport
 from rung.graphs.capture import CapturedGraph
 from rung.graphs.dispatcher import Dispatcher
 from rung.graphs.ladder import draft_capture_sizes
-from rung.graphs.mode import CUDAGraphMode, GraphSupport
 from rung.models.loader import load_model
 from rung.runtime.attention_groups import build_attention_groups, build_layer_metadata
-from rung.runtime.attention_metadata import CommonAttentionMetadata
-from rung.runtime.descriptor import BatchExecutionDescriptor
-from rung.runtime.forward_context import ForwardContext, forward_context
 from rung.runtime.input_batch import HostDevicePair
 from rung.runtime.kv_cache_manager import NULL_BLOCK
 from rung.runtime.model_runner import find_attention_layers

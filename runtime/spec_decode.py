@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from rung.runtime.descriptor import BatchExecutionDescriptor
+from rung.core.descriptor import BatchExecutionDescriptor
 from rung.runtime.request import Request
 
 

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from rung.graphs.mode import CUDAGraphMode
+from rung.core.attention_metadata import CommonAttentionMetadata, validate
+from rung.core.descriptor import BatchExecutionDescriptor
+from rung.core.graph_mode import CUDAGraphMode
 from rung.kernels.backend import AttentionLayerSpec
 from rung.kernels.torch_backend import TorchAttentionImpl
-from rung.runtime.attention_metadata import CommonAttentionMetadata, validate
-from rung.runtime.descriptor import BatchExecutionDescriptor
 from rung.runtime.input_batch import InputBatch
 from rung.runtime.kv_cache_manager import NULL_BLOCK
 from rung.runtime.request import Request

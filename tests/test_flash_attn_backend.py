@@ -6,10 +6,10 @@ import pytest
 import torch
 from test_triton_kernels import make_batch
 
+from rung.core.kv_cache_spec import KVCacheSpec
 from rung.kernels.backend import AttentionLayerSpec
 from rung.kernels.flash_attn_backend import FlashAttnBackend
 from rung.kernels.torch_backend import TorchAttentionImpl
-from rung.runtime.kv_cache_spec import KVCacheSpec
 
 CUDA = torch.device("cuda")
 _AVAILABLE, _WHY = FlashAttnBackend.is_available(CUDA)

@@ -18,14 +18,14 @@ from transformers import (
     Gemma4TextConfig,
 )
 
+from rung.core.attention_metadata import CommonAttentionMetadata, validate
+from rung.core.descriptor import BatchExecutionDescriptor
+from rung.core.forward_context import ForwardContext, forward_context
 from rung.kernels.torch_backend import TorchBackend
 from rung.models.gemma4 import Gemma4ForCausalLM as RungGemma4
 from rung.models.gemma4_mtp import Gemma4AssistantModel
 from rung.models.loader import load_model
 from rung.models.presets import PRESETS
-from rung.runtime.attention_metadata import CommonAttentionMetadata, validate
-from rung.runtime.descriptor import BatchExecutionDescriptor
-from rung.runtime.forward_context import ForwardContext, forward_context
 from rung.runtime.model_runner import find_attention_layers
 
 VOCAB, WINDOW, NUM_DRAFTS, BLOCK_SIZE = 512, 16, 3, 16

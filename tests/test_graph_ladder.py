@@ -4,9 +4,9 @@ import logging
 
 import pytest
 
+from rung.core.graph_mode import CUDAGraphMode, GraphSupport
 from rung.graphs.dispatcher import Dispatcher, downgrade
 from rung.graphs.ladder import capture_sizes, default_ladder
-from rung.graphs.mode import CUDAGraphMode, GraphSupport
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 12, 100, 256, 300, 512])

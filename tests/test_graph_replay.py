@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from rung.graphs.mode import GraphSupport
+from rung.core.graph_mode import GraphSupport
 from rung.kernels.selector import register_backend
 from rung.kernels.torch_backend import TorchBackend
 from rung.runtime import LLM, SamplingParams

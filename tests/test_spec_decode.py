@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from rung.graphs.mode import CUDAGraphMode
+from rung.core.descriptor import BatchExecutionDescriptor
+from rung.core.graph_mode import CUDAGraphMode
 from rung.runtime import LLM, SamplingParams
-from rung.runtime.descriptor import BatchExecutionDescriptor
 from rung.runtime.rejection_sampler import rejection_sample
 from rung.runtime.request import Request
 from rung.runtime.spec_decode import NgramProposer

@@ -3,10 +3,10 @@ tokens; `auto` skips a backend that rejects the config."""
 
 import torch
 
+from rung.core.kv_cache_spec import KVCacheSpec
 from rung.kernels import selector
 from rung.kernels.torch_backend import TorchBackend
 from rung.runtime import LLM, SamplingParams
-from rung.runtime.kv_cache_spec import KVCacheSpec
 
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "max_model_len": 64,
           "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4]}}

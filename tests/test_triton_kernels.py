@@ -11,16 +11,16 @@ import importlib.util
 import pytest
 import torch
 
-from rung.graphs.mode import CUDAGraphMode
+from rung.core.attention_metadata import CommonAttentionMetadata, validate
+from rung.core.descriptor import BatchExecutionDescriptor
+from rung.core.graph_mode import CUDAGraphMode
+from rung.core.kv_cache_spec import KVCacheSpec
 from rung.kernels.backend import AttentionLayerSpec
 from rung.kernels.selector import select_backend
 from rung.kernels.torch_backend import TorchAttentionImpl, paged_attention_ref, write_kv
 from rung.kernels.triton.kv_write import kv_write
 from rung.kernels.triton.paged_attention import paged_attention
 from rung.kernels.triton_backend import TritonBackend
-from rung.runtime.attention_metadata import CommonAttentionMetadata, validate
-from rung.runtime.descriptor import BatchExecutionDescriptor
-from rung.runtime.kv_cache_spec import KVCacheSpec
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

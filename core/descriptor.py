@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rung.graphs.mode import CUDAGraphMode
+from rung.core.graph_mode import CUDAGraphMode
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from rung.runtime.descriptor import BatchExecutionDescriptor
+from rung.core.descriptor import BatchExecutionDescriptor
 
 
 @dataclasses.dataclass

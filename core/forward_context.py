@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-from rung.runtime.descriptor import BatchExecutionDescriptor
+from rung.core.descriptor import BatchExecutionDescriptor
 
 
 @dataclasses.dataclass
