@@ -2,7 +2,8 @@
 
 import pytest
 
-from rung.runtime import LLM, SamplingParams, attention_metadata
+from rung.core import attention_metadata
+from rung.runtime import LLM, SamplingParams
 
 ENGINE = {"max_model_len": 160, "max_num_seqs": 8, "max_num_batched_tokens": 64,
           "dtype": "float32"}
