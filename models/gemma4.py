@@ -1,5 +1,6 @@
-"""Gemma 4 text decoder (dense): sliding and full layers with their own head dims, q/k/v
-norms, per-layer-type RoPE, KV sharing across layers, final logit softcapping.
+"""Gemma 4 text decoder: sliding and full layers with their own head dims, q/k/v norms,
+per-layer-type RoPE, KV sharing across layers, final logit softcapping, and the MoE block
+(a routed-experts branch beside every layer's dense MLP, `enable_moe_block`).
 
 Config facts follow HF transformers' `Gemma4TextConfig` / `Gemma4ForCausalLM`.
 """
@@ -13,6 +14,7 @@ from torch import nn
 
 from rung.kernels.attention import Attention
 from rung.models.layers import MergedLinear, RMSNorm, proportional_inv_freq, rope_inv_freq
+from rung.models.moe import RoutedExperts, dense_routing, ep_all_gather, ep_reduce_scatter
 from rung.models.weights import WeightStream, check_all_loaded, load_named_weights
 
 STACKED = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
@@ -29,7 +31,8 @@ _TEXT_DEFAULTS: dict = {
     "sliding_window": 512, "final_logit_softcapping": None, "use_bidirectional_attention": None,
     "vocab_size_per_layer_input": 262_144, "hidden_size_per_layer_input": 256,
     "attention_k_eq_v": False, "num_kv_shared_layers": 0, "enable_moe_block": False,
-    "use_double_wide_mlp": False, "num_experts": None,
+    "use_double_wide_mlp": False, "num_experts": None, "top_k_experts": None,
+    "moe_intermediate_size": None,
 }
 _DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
                  FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25,
@@ -84,19 +87,33 @@ def check_supported(cfg: dict) -> None:
     """ValueError naming the field for what HF's Gemma 4 does that rung does not."""
     unsupported = {
         "hidden_size_per_layer_input": bool(cfg["hidden_size_per_layer_input"]),
-        "enable_moe_block": bool(cfg["enable_moe_block"]),
         "use_bidirectional_attention": cfg["use_bidirectional_attention"] == "all",
         "hidden_activation": cfg["hidden_activation"] not in _ACTIVATIONS,
     }
     for field, bad in unsupported.items():
         if bad:
             raise ValueError(f"Gemma 4 config {field}={cfg[field]!r} is not supported by rung "
-                             "(dense text decoder: no per-layer input embeddings, no MoE, "
-                             f"causal attention, activations {sorted(_ACTIVATIONS)})")
+                             "(text decoder: no per-layer input embeddings, causal "
+                             f"attention, activations {sorted(_ACTIVATIONS)})")
+    if cfg["enable_moe_block"]:
+        _check_moe(cfg)
     shared = cfg["num_kv_shared_layers"]
     if not 0 <= shared < cfg["num_hidden_layers"]:
         raise ValueError(f"num_kv_shared_layers={shared} must be in [0, num_hidden_layers="
                          f"{cfg['num_hidden_layers']}): shared layers need a layer to read from")
+
+
+def _check_moe(cfg: dict) -> None:
+    num_experts, top_k = cfg["num_experts"], cfg["top_k_experts"]
+    size = cfg["moe_intermediate_size"]
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"Gemma 4 enable_moe_block needs num_experts >= 1, got {num_experts!r}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"Gemma 4 top_k_experts={top_k!r} must be in [1, num_experts="
+                         f"{num_experts}]")
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"Gemma 4 enable_moe_block needs moe_intermediate_size >= 1, "
+                         f"got {size!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +292,48 @@ class Gemma4MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+class Gemma4Router(nn.Module):
+    """HF's Gemma 4 router: unscaled RMSNorm, a learned scale, softmax over experts in fp32,
+    top-k renormalised to sum 1, then a per-expert scale."""
+
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        hidden, num_experts = cfg["hidden_size"], cfg["num_experts"]
+        self.eps, self.top_k = cfg["rms_norm_eps"], cfg["top_k_experts"]
+        self.root_size = hidden ** -0.5
+        self.proj = nn.Linear(hidden, num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(hidden))
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts))
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> top-k weights [T, K] fp32, expert ids [T, K] int64."""
+        x = rms_norm_no_scale(hidden, self.eps) * self.scale * self.root_size
+        probs = torch.softmax(self.proj(x), dim=-1, dtype=torch.float32)      # [T, E]
+        weights, index = torch.topk(probs, k=self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[index], index
+
+
+def routed_experts(router: Gemma4Router, experts: RoutedExperts, pre_norm: nn.Module,
+                   residual: torch.Tensor) -> torch.Tensor:
+    """The routed branch of a MoE layer: residual [T, H] (the layer input before the MLP)
+    -> the experts' weighted sum [T, H].
+
+    Under expert parallel the tokens of every data-parallel rank are gathered, this rank's
+    experts run on all of them, and the partial sums go back to their ranks: every rank
+    must run the same (DP-padded) token count.
+    """
+    tokens = residual                                                    # [T, H]
+    if experts.ep_size > 1:
+        tokens = ep_all_gather(residual, experts.ep_size)                # [ep_size * T, H]
+    weights, index = router(tokens)
+    routing = dense_routing(weights, index, experts.num_experts)         # [., num_experts]
+    out = experts(pre_norm(tokens), routing)
+    if experts.ep_size > 1:
+        out = ep_reduce_scatter(out, experts.ep_size, experts.ep_rank)   # [T, H]
+    return out
+
+
 class Gemma4DecoderLayer(nn.Module):
     def __init__(self, cfg: dict, spec: Gemma4LayerSpec, index: int) -> None:
         super().__init__()
@@ -282,8 +341,18 @@ class Gemma4DecoderLayer(nn.Module):
         self.layer_type = spec.layer_type
         self.self_attn = Gemma4Attention(cfg, spec, f"model.layers.{index}.self_attn.attn")
         self.mlp = Gemma4MLP(hidden, spec.intermediate_size, cfg["hidden_activation"])
-        for name in ("input_layernorm", "post_attention_layernorm",
-                     "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+        norms = ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"]
+        self.enable_moe_block = bool(cfg["enable_moe_block"])
+        if self.enable_moe_block:
+            # NOTE: HF names: router and experts sit on the layer, not under a submodule.
+            self.router = Gemma4Router(cfg)
+            self.experts = RoutedExperts(cfg["num_experts"], hidden,
+                                         cfg["moe_intermediate_size"],
+                                         _ACTIVATIONS[cfg["hidden_activation"]])
+            norms += ["post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
+                      "post_feedforward_layernorm_2"]
+        for name in norms:
             setattr(self, name, RMSNorm(hidden, eps, cast_before_scale=False))
         self.layer_scalar = nn.Parameter(torch.ones(1))   # HF buffer; scales the layer output
 
@@ -292,6 +361,11 @@ class Gemma4DecoderLayer(nn.Module):
         attn = self.self_attn(rope, self.input_layernorm(hidden))
         hidden = hidden + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        if self.enable_moe_block:
+            routed = routed_experts(self.router, self.experts, self.pre_feedforward_layernorm_2,
+                                    hidden)
+            mlp = (self.post_feedforward_layernorm_1(mlp)
+                   + self.post_feedforward_layernorm_2(routed))
         hidden = hidden + self.post_feedforward_layernorm(mlp)
         return hidden * self.layer_scalar
 

@@ -122,7 +122,7 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
         if param.dim() == 1:
             # norms stay at their identity value; biases at 0
             continue
-        fan_in = param.shape[1]
+        fan_in = param.shape[-1]        # [out, in], or [experts, out, in]
         std = embed_std if "embed" in name else fan_in ** -0.5
         values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
         param.data.copy_(values.to(param.dtype))

@@ -36,14 +36,17 @@ SHARED_KV = dict(ISSUE, layer_types=["sliding_attention", "full_attention", "sli
                                   "full_attention": {"rope_type": "proportional",
                                                      "partial_rotary_factor": 0.5,
                                                      "rope_theta": 10000.0}})
-CONFIGS = {"issue": ISSUE, "shared_kv": SHARED_KV}
+# The MoE block in every layer: 8 experts, top 2, a routed branch beside the dense MLP.
+MOE = dict(ISSUE, enable_moe_block=True, num_experts=8, top_k_experts=2,
+           moe_intermediate_size=64)
+CONFIGS = {"issue": ISSUE, "shared_kv": SHARED_KV, "moe": MOE}
 
 
 def _randomize_norms(model: torch.nn.Module) -> None:
-    """Norm weights and layer scalars away from 1, so a mis-loaded one shows."""
+    """Norm weights, layer scalars and router scales away from 1, so a mis-loaded one shows."""
     gen = torch.Generator().manual_seed(1)
     for name, tensor in model.state_dict().items():
-        if name.endswith("norm.weight") or name.endswith("layer_scalar"):
+        if name.endswith(("norm.weight", "layer_scalar", "router.scale", "per_expert_scale")):
             tensor.copy_(0.5 + torch.rand(tensor.shape, generator=gen))
 
 
@@ -146,7 +149,6 @@ def test_text_config_fills_hf_defaults():
 
 
 @pytest.mark.parametrize("field, value", [("hidden_size_per_layer_input", 256),
-                                          ("enable_moe_block", True),
                                           ("use_bidirectional_attention", "all")])
 def test_unsupported_config_rejected(field, value):
     cfg = {"model_type": "gemma4_text", **ISSUE, field: value}
@@ -164,3 +166,26 @@ def test_preset_tiny_gemma4_is_not_degenerate():
     # copy the last token with probability ~1; embed_init_std keeps logits spread out.
     greedy = [next(iter(d.values())).logprob for d in out.logprobs]
     assert max(greedy) < -0.1, greedy
+
+
+@pytest.mark.parametrize("field, value", [("num_experts", None), ("top_k_experts", 9),
+                                          ("moe_intermediate_size", 0)])
+def test_bad_moe_config_rejected(field, value):
+    cfg = {"model_type": "gemma4_text", **MOE, field: value}
+    with pytest.raises(ValueError, match=f"{field}"):
+        RungGemma4(cfg)
+
+
+def test_moe_presets_draft_and_verify():
+    """tiny-gemma4-moe with its MoE MTP drafter: drafting never changes greedy tokens."""
+    kwargs = dict(dtype="float32", device="cpu", max_model_len=128, max_num_seqs=4,
+                  enforce_eager=True)
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(VOCAB, lens=[3, 9])]
+    plain = LLM("tiny-gemma4-moe", **kwargs).generate(prompts, params)
+    spec = LLM("tiny-gemma4-moe", speculative_config={
+        "method": "mtp", "model": "tiny-gemma4-moe-mtp", "num_speculative_tokens": 3},
+        **kwargs)
+    drafted = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    assert spec.engine.stats()["spec"]["num_drafts"] > 0
