@@ -42,10 +42,19 @@ class BatchExecutionDescriptor:
                 f"!= {self.num_tokens} tokens")
 
     @classmethod
-    def eager(cls, num_reqs: int, num_tokens: int,
-              uniform_query_len: int | None = None) -> BatchExecutionDescriptor:
-        return cls(CUDAGraphMode.NONE, num_reqs, num_reqs, num_tokens, num_tokens,
-                   uniform_query_len)
+    def eager(cls, num_reqs: int, num_tokens: int, uniform_query_len: int | None = None,
+              num_tokens_across_dp: tuple[int, ...] | None = None) -> BatchExecutionDescriptor:
+        """No graph. Under data parallel, tokens pad to the size every rank runs."""
+        num_tokens_padded = max(num_tokens_across_dp) if num_tokens_across_dp else num_tokens
+        return cls(CUDAGraphMode.NONE, num_reqs, num_reqs, num_tokens, num_tokens_padded,
+                   uniform_query_len, num_tokens_across_dp)
+
+    @classmethod
+    def dp_dummy(cls, num_tokens_across_dp: tuple[int, ...]) -> BatchExecutionDescriptor:
+        """A data-parallel rank with no request of its own: all pads, shaped like a
+        piecewise capture batch (one pad row keeps attention well-formed)."""
+        return cls(CUDAGraphMode.PIECEWISE, 0, 1, 0, max(num_tokens_across_dp), None,
+                   num_tokens_across_dp)
 
     def for_drafting(self, num_query_tokens: int = 1) -> BatchExecutionDescriptor:
         """Descriptor of a draft step: ``num_query_tokens`` per REAL request.

@@ -45,17 +45,25 @@ class Dispatcher:
             return self.mode.decode_mode()
         return self.mode.mixed_mode()
 
-    def dispatch(self, num_reqs: int, num_tokens: int,
-                 uniform_query_len: int | None) -> BatchExecutionDescriptor:
+    def dispatch(self, num_reqs: int, num_tokens: int, uniform_query_len: int | None,
+                 num_tokens_across_dp: tuple[int, ...] | None = None
+                 ) -> BatchExecutionDescriptor:
+        """``num_tokens_across_dp``: under data parallel, the size every rank agreed to run
+        (a ladder size, or above the ladder: eager, padded to it)."""
         mode = self.runtime_mode(uniform_query_len)
-        size = self.padded_size(num_tokens)
+        if num_tokens_across_dp is None:
+            size = self.padded_size(num_tokens)
+        else:
+            size = max(num_tokens_across_dp)
+            size = size if size in self.sizes else None
         if mode == CUDAGraphMode.NONE or size is None:
             # above the largest captured size: run eagerly, never crash
-            return BatchExecutionDescriptor.eager(num_reqs, num_tokens, uniform_query_len)
+            return BatchExecutionDescriptor.eager(num_reqs, num_tokens, uniform_query_len,
+                                                  num_tokens_across_dp)
         rows = (num_reqs if mode == CUDAGraphMode.PIECEWISE
                 else self.full_graph_rows(size, uniform_query_len))
         return BatchExecutionDescriptor(mode, num_reqs, rows, num_tokens, size,
-                                        uniform_query_len)
+                                        uniform_query_len, num_tokens_across_dp)
 
     def full_graph_rows(self, size: int, uniform_query_len: int | None) -> int:
         """Request rows a FULL graph of ``size`` tokens is captured with."""

@@ -63,9 +63,11 @@ class GraphManager:
     def mode(self) -> CUDAGraphMode:
         return self.dispatcher.mode
 
-    def dispatch(self, num_reqs: int, num_tokens: int,
-                 uniform_query_len: int | None) -> BatchExecutionDescriptor:
-        return self.dispatcher.dispatch(num_reqs, num_tokens, uniform_query_len)
+    def dispatch(self, num_reqs: int, num_tokens: int, uniform_query_len: int | None,
+                 num_tokens_across_dp: tuple[int, ...] | None = None
+                 ) -> BatchExecutionDescriptor:
+        return self.dispatcher.dispatch(num_reqs, num_tokens, uniform_query_len,
+                                        num_tokens_across_dp)
 
     # --- capture --------------------------------------------------------------------------
     def capture_all(self, progress: Callable[[CaptureRecord], None] | None = None) -> None:

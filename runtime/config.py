@@ -93,11 +93,14 @@ class EngineConfig:
     attention_backend: str = "auto"
     speculative: SpeculativeConfig | None = None
     load_format: str = "auto"
+    data_parallel_size: int = 1
+    data_parallel_timeout_s: float = 120.0    # a collective waiting longer fails the rank
     debug_padding: bool = dataclasses.field(
         default_factory=lambda: os.environ.get("RUNG_DEBUG_PADDING", "0") == "1")
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")

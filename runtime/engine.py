@@ -7,7 +7,9 @@ from typing import Any, Callable
 
 from rung.core.graph_mode import CUDAGraphMode
 from rung.models.loader import LoadedModel, load_model
+from rung.models.moe import shard_experts
 from rung.runtime.config import EngineConfig
+from rung.runtime.data_parallel import DataParallelGroup, DPStep, init_data_parallel
 from rung.runtime.kv_cache_manager import KVCacheManager
 from rung.runtime.model_runner import ModelRunner, ModelRunnerOutput
 from rung.runtime.outputs import CompletionOutput, RequestOutput
@@ -22,6 +24,11 @@ Prompt = str | dict
 class LLMEngine:
     def __init__(self, config: EngineConfig, capture_progress: Callable | None = None) -> None:
         self.config = config
+        self.dp: DataParallelGroup | None = None
+        self.all_ranks_idle = False      # data parallel: the last step's sync found no work
+        if config.data_parallel_size > 1:
+            self.dp, config.device = init_data_parallel(
+                config.data_parallel_size, config.device, config.data_parallel_timeout_s)
         self.loaded: LoadedModel = load_model(config.model, config.dtype, str(config.device),
                                               config.load_format, config.seed)
         self.tokenizer = self.loaded.tokenizer
@@ -39,6 +46,10 @@ class LLMEngine:
         self.graph_replays: collections.Counter = collections.Counter()
         self.proposer = make_proposer(config, self) if config.speculative else None
         self.spec_stats = SpecStats(config.num_spec_tokens) if config.speculative else None
+        if self.dp is not None:
+            # NOTE: before capture: capture runs the model's collectives on every rank
+            self.dp.check_same_config(self._dp_fingerprint())
+            self._shard_experts()
         if not config.enforce_eager:
             from rung.graphs.manager import GraphManager
 
@@ -113,15 +124,62 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # --- data parallel ----------------------------------------------------------------------
+    def _dp_fingerprint(self) -> dict[str, Any]:
+        """What every data-parallel rank must agree on (model, ladder, spec config)."""
+        c = self.config
+        spec = c.speculative
+        return {"model": c.model, "dtype": str(c.dtype), "load_format": c.load_format,
+                "max_model_len": self.max_model_len, "max_num_seqs": c.max_num_seqs,
+                "max_num_batched_tokens": c.max_num_batched_tokens,
+                "block_size": c.block_size, "enforce_eager": c.enforce_eager,
+                "cudagraph_mode": c.compilation.cudagraph_mode.name,
+                "cudagraph_capture_sizes": c.compilation.cudagraph_capture_sizes,
+                "graph_backend": c.compilation.graph_backend,
+                "attention_backend": self.runner.backend.name,
+                "speculative": None if spec is None else (spec.method, spec.model,
+                                                          spec.num_speculative_tokens)}
+
+    def _shard_experts(self) -> None:
+        """Expert parallel: each rank keeps its slice of every MoE layer's experts."""
+        rank, size = self.dp.rank, self.dp.world_size
+        shard_experts(self.loaded.model, rank, size)
+        drafter = getattr(self.proposer, "drafter", None)
+        if drafter is not None:
+            shard_experts(drafter, rank, size)
+
+    def _dp_sync(self, sched: SchedulerOutput) -> DPStep:
+        graphs = self.runner.graphs
+        no_graph = lambda n: None  # noqa: E731
+        padded = (graphs.dispatcher.padded_size
+                  if graphs is not None and graphs.mode != CUDAGraphMode.NONE else no_graph)
+        drafts = getattr(self.proposer, "dispatcher", None)
+        step = self.dp.sync(sched.num_reqs, sched.num_tokens, self.has_unfinished_requests(),
+                            padded, drafts.padded_size if drafts is not None else None)
+        self.all_ranks_idle = step.all_idle
+        return step
+
+    def _dummy_step(self, step: DPStep) -> None:
+        """No request here while another rank has some: run its sizes on pads only."""
+        self.runner.execute_dummy(step.num_tokens_across_dp())
+        if hasattr(self.proposer, "propose_dummy"):
+            self.proposer.propose_dummy(step.num_draft_tokens_across_dp())
+
     # --- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step. Under data parallel every rank must call it (the ranks sync); loop
+        until ``all_ranks_idle``."""
         sched = self.scheduler.schedule()
         outputs = [self._finish(req, "error") for req in sched.errored]
         self._stats["preemptions"] += len(sched.preempted)
+        dp_step = self._dp_sync(sched) if self.dp is not None else None
+        if dp_step is not None and dp_step.any_work and not sched.scheduled:
+            self._dummy_step(dp_step)
         if not sched.scheduled:
             return outputs
         block_ids = [self.kv.block_ids(s.request.request_id) for s in sched.scheduled]
-        result = self.runner.execute(sched, block_ids)
+        result = self.runner.execute(sched, block_ids,
+                                     dp_step.num_tokens_across_dp() if dp_step else None)
         self._count_step()
         for s in sched.scheduled:
             req = s.request
@@ -136,13 +194,20 @@ class LLMEngine:
             if new:
                 outputs.append(self._append(req, new, result.logprobs.get(req.request_id)))
         if self.proposer is not None:
-            self._propose(sched, result)
+            self._propose(sched, result, dp_step)
         return outputs
 
-    def _propose(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        """Drafts for every request that got a token this step and is still running."""
+    def _propose(self, sched: SchedulerOutput, result: ModelRunnerOutput,
+                 dp_step: DPStep | None) -> None:
+        """Drafts for every request that got a token this step and is still running.
+
+        NOTE: the draft descriptor is one query per REAL request (for_drafting); under
+        data parallel only the drafter's inputs pad to what the ranks agreed on.
+        """
         reqs = [s.request for s in sched.scheduled]
-        drafts = self.proposer.propose(self.runner.last_desc.for_drafting(), reqs, result)
+        across = dp_step.num_draft_tokens_across_dp() if dp_step is not None else None
+        drafts = self.proposer.propose(self.runner.last_desc.for_drafting(), reqs, result,
+                                       num_tokens_across_dp=across)
         for req, req_drafts in zip(reqs, drafts):
             if req.is_finished or not result.sampled.get(req.request_id):
                 continue
@@ -214,4 +279,7 @@ class LLMEngine:
              "num_waiting": len(self.scheduler.waiting)}
         if self.spec_stats is not None:
             s["spec"] = self.spec_stats.as_dict()
+        if self.dp is not None:
+            s["data_parallel"] = {"rank": self.dp.rank, "world_size": self.dp.world_size,
+                                  **self.dp.stats.as_dict()}
         return s

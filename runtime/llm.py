@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from rung.runtime.config import CompilationConfig, EngineConfig, SpeculativeConfig, parse_dtype
+from rung.runtime.data_parallel import ROUTING_POLICIES, route_requests
 from rung.runtime.engine import LLMEngine, Prompt
 from rung.runtime.outputs import RequestOutput
 from rung.runtime.sampling_params import SamplingParams
@@ -23,7 +26,19 @@ class LLM:
                  speculative_config: dict[str, Any] | None = None,
                  load_format: str = "auto", num_gpu_blocks_override: int | None = None,
                  debug_padding: bool | None = None,
-                 capture_progress: Callable | None = None) -> None:
+                 capture_progress: Callable | None = None,
+                 data_parallel_size: int = 1,
+                 data_parallel_routing: str = "round_robin",
+                 data_parallel_timeout_s: float = 120.0) -> None:
+        """``data_parallel_size`` > 1: this process is one rank (under torchrun, or spawned
+        by `rung ... --data-parallel-size N`); every rank builds the same LLM and passes the
+        same prompts to `generate`, which runs each rank's share (``data_parallel_routing``:
+        round_robin or least_tokens) and returns every output on every rank."""
+        if data_parallel_routing not in ROUTING_POLICIES:
+            raise ValueError(f"data_parallel_routing {data_parallel_routing!r} not in "
+                             f"{ROUTING_POLICIES}")
+        self.data_parallel_routing = data_parallel_routing
+        self._num_prompts = 0
         dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
                            if device == "auto" else device)
         if dev.type == "cuda" and not torch.cuda.is_available():
@@ -37,7 +52,8 @@ class LLM:
             compilation=CompilationConfig.from_dict(compilation_config),
             attention_backend=attention_backend,
             speculative=SpeculativeConfig.from_dict(speculative_config),
-            load_format=load_format)
+            load_format=load_format, data_parallel_size=data_parallel_size,
+            data_parallel_timeout_s=data_parallel_timeout_s)
         if debug_padding is not None:
             config.debug_padding = debug_padding
         self.engine = LLMEngine(config, capture_progress)
@@ -47,8 +63,12 @@ class LLM:
 
     def generate(self, prompts: Prompt | Iterable[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order."""
+                 use_tqdm: bool = False,
+                 data_parallel_ranks: list[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order.
+
+        Data parallel: ``data_parallel_ranks[i]`` is the rank that runs prompt i (default:
+        the routing policy's choice)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -57,18 +77,63 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        base = self.engine._arrivals
+        base = self._num_prompts
+        self._num_prompts += len(prompts)
         ids = [f"gen-{base + i}" for i in range(len(prompts))]
+        dp = self.engine.dp
+        mine = [True] * len(prompts)
+        if dp is not None:
+            ranks = self._route(prompts, data_parallel_ranks)
+            dp.check_same_requests(hashlib.sha256(repr((prompts, ranks, params)).encode())
+                                   .hexdigest())
+            mine = [r == dp.rank for r in ranks]
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(rid, prompt, p)
+            for rid, prompt, p, here in zip(ids, prompts, params, mine):
+                if here:
+                    self.engine.add_request(rid, prompt, p)
         except ValueError:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
         done: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
+        self.engine.all_ranks_idle = False
+        while self._keep_stepping():
             for out in self.engine.step():
                 if out.finished:
                     done[out.request_id] = out
+        if dp is not None:
+            done = self._gather_outputs(done)
         return [done[rid] for rid in ids]
+
+    def _keep_stepping(self) -> bool:
+        if self.engine.dp is None:
+            return self.engine.has_unfinished_requests()
+        # NOTE: every rank steps (and syncs) until a sync finds every rank idle
+        return not self.engine.all_ranks_idle
+
+    def _route(self, prompts: list[Prompt], ranks: list[int] | None) -> list[int]:
+        world = self.engine.dp.world_size
+        if ranks is None:
+            lengths = [len(p["prompt_token_ids"]) if isinstance(p, dict) else len(p)
+                       for p in prompts]
+            return route_requests(lengths, world, self.data_parallel_routing)
+        if len(ranks) != len(prompts):
+            raise ValueError(f"{len(ranks)} data_parallel_ranks for {len(prompts)} prompts")
+        bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < world]
+        if bad:
+            raise ValueError(f"data-parallel rank {bad[0]!r} is not in [0, {world})")
+        return list(ranks)
+
+    def _gather_outputs(self, done: dict[str, RequestOutput]) -> dict[str, RequestOutput]:
+        """Every rank's finished outputs, on every rank."""
+        local = {rid: dataclasses.replace(
+            out, outputs=[dataclasses.replace(c, detokenize=None) for c in out.outputs])
+            for rid, out in done.items()}
+        decode = self.engine.tokenizer.decode if self.engine.tokenizer is not None else None
+        merged: dict[str, RequestOutput] = {}
+        for part in self.engine.dp.all_gather_object(local):
+            for rid, out in part.items():
+                merged[rid] = dataclasses.replace(
+                    out, outputs=[dataclasses.replace(c, detokenize=decode)
+                                  for c in out.outputs])
+        return merged

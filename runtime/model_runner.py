@@ -108,12 +108,15 @@ class ModelRunner:
             layer.bind(self.backend, self.kv_caches[layer.kv_sharing_target or name])
 
     # --- one step -----------------------------------------------------------------------
-    def dispatch(self, layout: BatchLayout) -> BatchExecutionDescriptor:
+    def dispatch(self, layout: BatchLayout,
+                 num_tokens_across_dp: tuple[int, ...] | None = None
+                 ) -> BatchExecutionDescriptor:
         if self.graphs is None:
             return BatchExecutionDescriptor.eager(layout.num_reqs, layout.num_tokens,
-                                                  layout.uniform_query_len)
+                                                  layout.uniform_query_len,
+                                                  num_tokens_across_dp)
         return self.graphs.dispatch(layout.num_reqs, layout.num_tokens,
-                                    layout.uniform_query_len)
+                                    layout.uniform_query_len, num_tokens_across_dp)
 
     def build_metadata(self, desc: BatchExecutionDescriptor, layout: BatchLayout
                        ) -> tuple[list[CommonAttentionMetadata], dict[str, object]]:
@@ -122,16 +125,29 @@ class ModelRunner:
                                              self.config.debug_padding)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_ids: list[list[list[int]]]
-                ) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput, block_ids: list[list[list[int]]],
+                num_tokens_across_dp: tuple[int, ...] | None = None) -> ModelRunnerOutput:
+        """``num_tokens_across_dp``: data parallel only, what the DP sync agreed on."""
         if self.config.debug_padding:
             self.input_batch.poison(self._poison_rng, self.vocab_size, self.num_blocks)
         layout = self.input_batch.prepare(sched, block_ids)
-        desc = self.dispatch(layout)
+        desc = self.dispatch(layout, num_tokens_across_dp)
         self.last_desc = desc
         self.input_batch.pad(desc)
         hidden = self.forward(desc, layout)
         return self._sample(sched, layout, hidden)
+
+    @torch.inference_mode()
+    def execute_dummy(self, num_tokens_across_dp: tuple[int, ...]) -> None:
+        """A data-parallel rank with no work while others work: run the agreed size on
+        pads only, so the model's collectives match the other ranks'."""
+        desc = BatchExecutionDescriptor.dp_dummy(num_tokens_across_dp)
+        if self.config.debug_padding:
+            self.input_batch.poison(self._poison_rng, self.vocab_size, self.num_blocks)
+        layout = self.input_batch.prepare_empty()
+        self.input_batch.pad(desc)
+        self.last_desc = desc
+        self.forward(desc, layout)
 
     def forward(self, desc: BatchExecutionDescriptor, layout: BatchLayout) -> torch.Tensor:
         """Run the target model on the prepared, padded batch -> hidden [num_tokens_padded, H]."""

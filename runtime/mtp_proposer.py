@@ -57,8 +57,12 @@ class DraftBatch:
 
     def fill(self, reqs: list[Request], target_block_tables: list[np.ndarray],
              desc: BatchExecutionDescriptor) -> None:
-        """Real rows from the requests; pad rows get the contract's safe values."""
-        n, n_pad = desc.num_reqs, desc.num_reqs_padded
+        """Real rows from the requests; pad rows get the contract's safe values.
+
+        Token-indexed rows (ids, positions, slots) pad to ``num_tokens_padded``, which data
+        parallel may raise above ``num_reqs_padded``; request-indexed ones never do.
+        """
+        n, n_pad, t_pad = desc.num_reqs, desc.num_reqs_padded, desc.num_tokens_padded
         self.input_ids.np[:n] = [r.token_ids[-1] for r in reqs]
         # NOTE: the last token is not in the KV yet; the drafter sees positions < seq_len
         seq_lens = [r.num_computed_tokens for r in reqs]
@@ -67,24 +71,25 @@ class DraftBatch:
         self.query_start_loc.np[:n + 1] = np.arange(n + 1)
         self.query_start_loc.np[n + 1:n_pad + 1] = n
         self.seq_lens.np[n:n_pad] = 0
-        self.input_ids.np[n:n_pad] = 0
-        self.positions.np[n:n_pad] = 0
-        self.slot_mapping.np[:n_pad] = -1
+        self.input_ids.np[n:t_pad] = 0
+        self.positions.np[n:t_pad] = 0
+        self.slot_mapping.np[:t_pad] = -1
         for bt, target in zip(self.block_tables, target_block_tables):
             bt.np[:n] = target[:n]
             bt.np[n:n_pad] = NULL_BLOCK
-        for pair in (self.input_ids, self.positions, self.seq_lens, self.slot_mapping):
-            pair.sync(n_pad)
+        for pair in (self.input_ids, self.positions, self.slot_mapping):
+            pair.sync(t_pad)
+        self.seq_lens.sync(n_pad)
         self.query_start_loc.sync(n_pad + 1)
         for bt in self.block_tables:
             bt.sync(n_pad)
 
     def common_metadata(self, desc: BatchExecutionDescriptor, block_size: int,
                         max_seq_len: int) -> list[CommonAttentionMetadata]:
-        n_pad = desc.num_reqs_padded
+        n_pad, t_pad = desc.num_reqs_padded, desc.num_tokens_padded
         return [CommonAttentionMetadata(desc, self.query_start_loc.gpu[:n_pad + 1],
                                         self.seq_lens.gpu[:n_pad], bt.gpu[:n_pad],
-                                        self.slot_mapping.gpu[:n_pad], block_size, 1,
+                                        self.slot_mapping.gpu[:t_pad], block_size, 1,
                                         max_seq_len)
                 for bt in self.block_tables]
 
@@ -166,12 +171,30 @@ class MtpProposer(Proposer):
     # --- one draft step -------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, desc: BatchExecutionDescriptor, reqs: list[Request],
-                result: Any) -> list[list[int]]:
+                result: Any, num_tokens_across_dp: tuple[int, ...] | None = None
+                ) -> list[list[int]]:
         assert len(reqs) == desc.num_reqs and desc.num_tokens == desc.num_reqs, (
             "draft steps run one query per real request")
         if not reqs:
             return []
-        draft_desc = self.dispatcher.dispatch(desc.num_reqs, desc.num_reqs, 1)
+        # NOTE: request rows (metadata, block tables) follow the real requests of
+        # for_drafting(); only token rows pad to the data-parallel size (failure class 3).
+        draft_desc = self.dispatcher.dispatch(desc.num_reqs, desc.num_reqs, 1,
+                                              num_tokens_across_dp)
+        tokens = self._run(draft_desc, reqs, result)
+        return tokens[:desc.num_reqs].tolist()
+
+    @torch.inference_mode()
+    def propose_dummy(self, num_tokens_across_dp: tuple[int, ...]) -> None:
+        """Data parallel: no request here while other ranks draft; run their size on pads."""
+        draft_desc = self.dispatcher.dispatch(0, 0, 1, num_tokens_across_dp)
+        if draft_desc.mode == CUDAGraphMode.NONE:
+            draft_desc = BatchExecutionDescriptor.dp_dummy(num_tokens_across_dp)
+        self._run(draft_desc, [], None)
+
+    def _run(self, draft_desc: BatchExecutionDescriptor, reqs: list[Request],
+             result: Any) -> torch.Tensor:
+        """k draft rounds -> drafts [num_tokens_padded, k]; real rows first."""
         self.last_desc = draft_desc
         if self.config.debug_padding:
             self.batch.poison(self._poison_rng, self.runner.num_blocks)
@@ -180,23 +203,23 @@ class MtpProposer(Proposer):
         self._gather_hidden(reqs, result, draft_desc)
         with forward_context(self._context(draft_desc)):
             if draft_desc.mode == CUDAGraphMode.FULL:
-                tokens = self.graphs[draft_desc.num_reqs_padded].replay(self._inputs(draft_desc))
-            else:
-                tokens = self._draft_rounds(*self._inputs(draft_desc))
-        return tokens[:desc.num_reqs].tolist()
+                return self.graphs[draft_desc.num_reqs_padded].replay(self._inputs(draft_desc))
+            return self._draft_rounds(*self._inputs(draft_desc))
 
     def _gather_hidden(self, reqs: list[Request], result: Any,
                        desc: BatchExecutionDescriptor) -> None:
         """Target hidden state of each request's last sampled token (its logits row)."""
-        rows = [result.hidden_rows.get(r.request_id, 0) for r in reqs]
-        target_hidden = self.runner.last_hidden                      # [num_tokens_padded, H]
-        self.batch.hidden[:desc.num_reqs].copy_(target_hidden[rows])
-        self.batch.hidden[desc.num_reqs:desc.num_reqs_padded].zero_()
+        n = desc.num_reqs
+        if n:
+            rows = [result.hidden_rows.get(r.request_id, 0) for r in reqs]
+            target_hidden = self.runner.last_hidden                  # [num_tokens_padded, H]
+            self.batch.hidden[:n].copy_(target_hidden[rows])
+        self.batch.hidden[n:desc.num_tokens_padded].zero_()
 
     def _inputs(self, desc: BatchExecutionDescriptor) -> list[torch.Tensor]:
-        n_pad = desc.num_reqs_padded
+        n_pad, t_pad = desc.num_reqs_padded, desc.num_tokens_padded
         b = self.batch
-        return [b.input_ids.gpu[:n_pad], b.hidden[:n_pad], b.positions.gpu[:n_pad],
+        return [b.input_ids.gpu[:t_pad], b.hidden[:t_pad], b.positions.gpu[:t_pad],
                 b.query_start_loc.gpu[:n_pad + 1], b.seq_lens.gpu[:n_pad]] + [
                     bt.gpu[:n_pad] for bt in b.block_tables]
 

@@ -50,9 +50,12 @@ class Proposer:
     num_spec_tokens: int
 
     def propose(self, desc: BatchExecutionDescriptor, reqs: list[Request],
-                result: Any) -> list[list[int]]:
+                result: Any, num_tokens_across_dp: tuple[int, ...] | None = None
+                ) -> list[list[int]]:
         """``reqs``: the step's real requests in row order; ``result``: the target's
-        ModelRunnerOutput (sampled tokens, hidden rows). Returns [num_reqs][k] drafts."""
+        ModelRunnerOutput (sampled tokens, hidden rows). Returns [num_reqs][k] drafts.
+        ``num_tokens_across_dp``: data parallel only, the draft size every rank runs (a
+        drafter with collectives pads its inputs, never its attention metadata, to it)."""
         raise NotImplementedError
 
 
@@ -65,7 +68,9 @@ class NgramProposer(Proposer):
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, desc: BatchExecutionDescriptor, reqs: list[Request],
-                result: Any = None) -> list[list[int]]:
+                result: Any = None, num_tokens_across_dp: tuple[int, ...] | None = None
+                ) -> list[list[int]]:
+        # NOTE: host-only drafts: nothing to pad under data parallel
         assert len(reqs) == desc.num_reqs, "one draft row per real request"
         return [self.propose_one(r.token_ids) for r in reqs]
 
