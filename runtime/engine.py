@@ -178,8 +178,10 @@ class LLMEngine:
         if not sched.scheduled:
             return outputs
         block_ids = [self.kv.block_ids(s.request.request_id) for s in sched.scheduled]
-        result = self.runner.execute(sched, block_ids,
-                                     dp_step.num_tokens_across_dp() if dp_step else None)
+        if dp_step is None:
+            result = self.runner.execute(sched, block_ids)
+        else:
+            result = self.runner.execute(sched, block_ids, dp_step.num_tokens_across_dp())
         self._count_step()
         for s in sched.scheduled:
             req = s.request

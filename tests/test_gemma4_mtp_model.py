@@ -311,7 +311,7 @@ def test_bind_target_rejects_mismatched_target(changes, message):
 @pytest.mark.parametrize("text, field", [
     ({"num_kv_shared_layers": 1}, "num_kv_shared_layers=1"),
     ({"hidden_size_per_layer_input": 8}, "hidden_size_per_layer_input=8"),
-    ({"enable_moe_block": True}, "enable_moe_block=True"),
+    ({"enable_moe_block": True}, "enable_moe_block needs num_experts"),
     ({"use_double_wide_mlp": True}, "use_double_wide_mlp=True"),
 ])
 def test_rejects_unsupported_config(text, field):
