@@ -67,16 +67,32 @@ class InputBatch:
         self._arange = np.arange(max(max_num_reqs, max_num_tokens))   # read-only
 
     def poison(self, rng: np.random.Generator, vocab_size: int, num_blocks: int) -> None:
-        """Fill every buffer with garbage, so a pad value `pad()` forgets shows up."""
+        """Fill every buffer with garbage, so a pad value `pad()` forgets shows up.
+
+        NOTE: block-table rows the row cache vouches for are left as they are: debug mode
+        must not repair state production relies on (a stale cached row has to show up
+        here exactly as it would in production; `check_block_rows` then names it).
+        """
         self.input_ids.np[:] = rng.integers(0, vocab_size, self.max_num_tokens)
         self.positions.np[:] = rng.integers(0, 1 << 20, self.max_num_tokens)
         self.query_start_loc.np[:] = rng.integers(0, 1 << 20, self.max_num_reqs + 1)
         self.seq_lens.np[:] = rng.integers(1, 1 << 20, self.max_num_reqs)
+        uncached = [i for i, key in enumerate(self._row_keys) if key is None]
         for bt in self.block_tables:
-            bt.np[:] = rng.integers(1, max(num_blocks, 2), bt.np.shape)
+            bt.np[uncached] = rng.integers(1, max(num_blocks, 2),
+                                           (len(uncached), bt.np.shape[1]))
         for sm in self.slot_mappings:
             sm.np[:] = rng.integers(0, 1 << 20, self.max_num_tokens)
-        self._row_keys = [None] * self.max_num_reqs
+
+    def check_block_rows(self, block_ids: list[list[list[int]]]) -> None:
+        """Debug check: every real row holds exactly its request's blocks, then nulls."""
+        for i, req_blocks in enumerate(block_ids):
+            for g, (table, blocks) in enumerate(zip(self.block_tables, req_blocks)):
+                row = table.np[i]
+                if row[:len(blocks)].tolist() != blocks or row[len(blocks):].any():
+                    raise AssertionError(f"block-table row {i} (group {g}) holds "
+                                         f"{row[:len(blocks) + 1].tolist()}..., its request "
+                                         f"owns {blocks}")
 
     def prepare(self, sched: SchedulerOutput, block_ids: list[list[list[int]]]) -> BatchLayout:
         """Write the real rows. ``block_ids[i][g]``: request i's blocks in group g."""
@@ -118,9 +134,10 @@ class InputBatch:
         keys, tables = self._row_keys, self.block_tables
         for i, (s, req_blocks) in enumerate(zip(sched.scheduled, block_ids)):
             req = s.request
-            # NOTE: a preempted request gets new blocks, so its preemption count is part
-            # of the key; pad() and poison() clear the keys of rows they overwrite.
-            key = (req.request_id, req.num_preemptions, len(req_blocks[0]))
+            # NOTE: the arrival index never repeats (a request id may be reused once its
+            # request finished); a preempted request gets new blocks, so its preemption
+            # count is part of the key; pad() clears the keys of rows it overwrites.
+            key = (req.arrival, req.num_preemptions, len(req_blocks[0]))
             if keys[i] == key:
                 continue
             for table, blocks in zip(tables, req_blocks):

@@ -131,6 +131,8 @@ class ModelRunner:
         if self.config.debug_padding:
             self.input_batch.poison(self._poison_rng, self.vocab_size, self.num_blocks)
         layout = self.input_batch.prepare(sched, block_ids)
+        if self.config.debug_padding:
+            self.input_batch.check_block_rows(block_ids)
         desc = self.dispatch(layout, num_tokens_across_dp)
         self.last_desc = desc
         self.input_batch.pad(desc)

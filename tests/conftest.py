@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 # Triton kernels run under the interpreter on machines without CUDA.
@@ -13,3 +14,14 @@ os.environ.setdefault("RUNG_DEBUG_PADDING", "1")
 # NOTE: tiny test models gain nothing from a second OpenMP thread, and on a busy 2-core
 # machine a spinning second thread makes HF's oracle several times slower.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(params=[True, False], ids=["debug", "production"])
+def debug_padding(request, monkeypatch):
+    """Run a test in both modes: debug (poison + validate) must catch bugs, never mask them.
+
+    Engines built inside the test read RUNG_DEBUG_PADDING; module-scoped engines built
+    earlier keep the mode they were built with.
+    """
+    monkeypatch.setenv("RUNG_DEBUG_PADDING", "1" if request.param else "0")
+    return request.param

@@ -139,3 +139,24 @@ def test_generate_rejects_a_bad_prompt_without_running_the_others(llm):
         llm.generate(["fine", ""], SamplingParams(max_tokens=2))
     assert not llm.engine.has_unfinished_requests()
     assert _all_free(llm)
+
+
+def _reuse_id_run(new_id):
+    """"y" runs long; "x" finishes; once "y" has grown, a new request arrives as ``new_id``."""
+    engine = _llm(block_size=4, dtype="float32").engine
+    greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    engine.add_request("y", {"prompt_token_ids": list(range(10, 17))}, greedy(40))
+    engine.add_request("x", {"prompt_token_ids": list(range(20, 27))}, greedy(1))
+    done, step = {}, 0
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        step += 1
+        if step == 4:
+            engine.add_request(new_id, {"prompt_token_ids": list(range(30, 35))}, greedy(10))
+    return done["y"], done[new_id]
+
+
+def test_a_reused_request_id_gets_its_own_blocks(debug_padding):
+    # NOTE: the old "x" held blocks [3, 4]; "y" took 3 when "x" freed it. A block-table row
+    # cached by request id would hand the new "x" those stale ids.
+    assert _reuse_id_run("x") == _reuse_id_run("x2")
