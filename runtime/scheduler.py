@@ -53,7 +53,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput([], 0, [], [])
-        allocate, scheduled = self.kv.allocate, out.scheduled
+        allocate, own = self.kv.allocate, []
         for req in list(self.running):
             if budget == 0:
                 break
@@ -61,11 +61,19 @@ class Scheduler:
                 continue
             num_new = (self._num_new_tokens(req, budget) if req.spec_token_ids
                        else min(len(req.token_ids) - req.num_computed_tokens, budget))
+            # NOTE: KV for every request's own tokens first; drafts only get blocks left
+            # over after that (_fit_drafts), so they never preempt or error anyone.
+            num_own = num_new - len(req.spec_token_ids)
             # NOTE: the common case (the last block has room) never enters the preemption loop
-            if (allocate(req.request_id, req.num_computed_tokens + num_new)
-                    or self._allocate_or_preempt(req, num_new, out)):
-                scheduled.append(ScheduledRequest(req, num_new, len(req.spec_token_ids)))
+            if (allocate(req.request_id, req.num_computed_tokens + num_own)
+                    or self._allocate_or_preempt(req, num_own, out)):
+                own.append((req, num_own))
                 budget -= num_new
+        for req, num_own in own:
+            num_spec = len(req.spec_token_ids)
+            s = self._fit_drafts(req, num_own) if num_spec else ScheduledRequest(req, num_own)
+            out.scheduled.append(s)
+            budget += num_spec - s.num_spec_tokens      # drafts that did not fit
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             num_new = self._num_new_tokens(req, budget)
@@ -93,6 +101,20 @@ class Scheduler:
                 return 1 + num_spec
             req.spec_token_ids = []
         return min(pending, budget)
+
+    def _fit_drafts(self, req: Request, num_own: int) -> ScheduledRequest:
+        """``req`` with as many of its drafts as the free KV blocks hold (maybe none).
+
+        Drafts are optional work: under KV pressure they shrink instead of preempting or
+        erroring a request, so speculation never changes which requests finish or how.
+        """
+        num_spec = len(req.spec_token_ids)
+        while num_spec and not self.kv.allocate(
+                req.request_id, req.num_computed_tokens + num_own + num_spec):
+            num_spec -= 1
+        if num_spec < len(req.spec_token_ids):
+            req.spec_token_ids = req.spec_token_ids[:num_spec]
+        return ScheduledRequest(req, num_own + num_spec, num_spec)
 
     def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate(req.request_id, req.num_computed_tokens + num_new):

@@ -123,3 +123,24 @@ def test_min_tokens_holds_stop_tokens_back_under_speculation():
     got = spec.generate(["abcabcabcabc"], params)[0].outputs[0]
     assert got.token_ids == want.token_ids and len(got.token_ids) >= 6
     assert stop not in got.token_ids[:6]
+
+
+@pytest.mark.parametrize("num_reqs", [1, 2])
+def test_drafts_give_way_under_kv_pressure(num_reqs, debug_padding):
+    # Each request ends at exactly 32 tokens = 8 blocks of 4: the pool holds every request's
+    # own tokens, never its drafts on top. Speculation must not change how anything ends.
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6 + i]} for i in range(num_reqs)]
+    params = SamplingParams(temperature=0, max_tokens=22, ignore_eos=True)
+    engine = {"max_num_seqs": 2, "max_model_len": 64, "block_size": 4, "enforce_eager": True,
+              "num_gpu_blocks_override": 8 * num_reqs}
+
+    def run(spec):
+        llm = LLM("tiny-llama", speculative_config=spec, **engine)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        return [(o.token_ids, o.finish_reason) for o in outs], llm.engine.stats()
+
+    want, _ = run(None)
+    got, stats = run({"method": "ngram", "num_speculative_tokens": 3})
+    assert got == want and all(reason == "length" for _, reason in got)
+    assert stats["preemptions"] == 0 and stats["spec"]["num_drafts"] > 0
+    assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
