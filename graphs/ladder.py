@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
+logger = logging.getLogger(__name__)
+
 
 def default_ladder(max_size: int) -> list[int]:
     """[1, 2, 4] + every 8 up to 256 + every 16 up to max; max always included."""
@@ -29,7 +33,17 @@ def capture_sizes(user_sizes: list[int] | None, max_num_seqs: int, num_spec_toke
                 raise ValueError(f"cudagraph capture size {s} exceeds max_num_batched_tokens="
                                  f"{max_num_batched_tokens}")
     rounded = {-(-s // step) * step for s in sizes}
-    return sorted(s for s in rounded if s <= max(max_size, step))
+    limit = max(max_size, step)
+    kept = sorted(s for s in rounded if s <= limit)
+    if user_sizes is not None and len(kept) < len(rounded):
+        dropped = sorted(s for s in rounded if s > limit)
+        logger.warning("cudagraph capture sizes %s (rounded to multiples of %d) exceed the "
+                       "largest batch this config schedules, %d tokens (max_num_seqs=%d x %d, "
+                       "max_num_batched_tokens=%d); %s", dropped, step, limit, max_num_seqs,
+                       step, max_num_batched_tokens,
+                       f"capturing {kept}" if kept else "NO graph is captured: every step "
+                       "runs eagerly")
+    return kept
 
 
 def draft_capture_sizes(user_sizes: list[int] | None, max_num_seqs: int) -> list[int]:

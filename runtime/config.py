@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
 import torch
 
 from rung.core.graph_mode import CUDAGraphMode
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -104,6 +107,13 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        verify_len = 1 + self.num_spec_tokens
+        if self.max_num_batched_tokens < verify_len:
+            # NOTE: as vLLM does: one request's verify step (1 + k tokens) must fit the budget
+            logger.warning("max_num_batched_tokens=%d is below 1 + num_speculative_tokens=%d; "
+                           "raised to %d so a verify step fits", self.max_num_batched_tokens,
+                           verify_len, verify_len)
+            self.max_num_batched_tokens = verify_len
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be "
                              f">= max_num_seqs={self.max_num_seqs}")

@@ -275,6 +275,8 @@ class LLMEngine:
         s = {"kv_free_blocks": self.kv.num_free_blocks,
              "kv_total_blocks": self.kv.num_total_blocks,
              "eager_steps": self._stats["eager_steps"],
+             "graphs_captured": (len(self.runner.graphs.records)
+                                 if self.runner.graphs is not None else 0),
              "graph_replays": dict(self.graph_replays),
              "preemptions": self._stats["preemptions"],
              "num_running": len(self.scheduler.running),

@@ -46,6 +46,9 @@ def run_warmup(args: argparse.Namespace, build_llm: Callable) -> int:
     print(f"model {args.model}: {len(records)} graphs, mode {graphs.mode.name}, "
           f"backend {graphs.capture_backend.name}, {time.perf_counter() - start:.1f} s total")
     print(_table(records))
+    if not records:
+        print("no graph captured: every step will run eagerly (capture sizes above what this "
+              "config can schedule, or an eager-only mode)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "mode": graphs.mode.name,

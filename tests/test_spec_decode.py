@@ -1,5 +1,7 @@
 """Speculative decoding: lossless verification, n-gram drafts, the stochastic accept rule."""
 
+import logging
+
 import pytest
 import torch
 
@@ -144,3 +146,23 @@ def test_drafts_give_way_under_kv_pressure(num_reqs, debug_padding):
     assert got == want and all(reason == "length" for _, reason in got)
     assert stats["preemptions"] == 0 and stats["spec"]["num_drafts"] > 0
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
+
+
+@pytest.mark.parametrize("num_spec, budget, sizes", [(1, 1, [1]), (5, 4, None)])
+@pytest.mark.parametrize("eager", [True, False])
+def test_token_budget_below_one_verify_step_is_raised(num_spec, budget, sizes, eager, caplog):
+    # a budget below 1 + k used to pass validation, then crash in graph capture
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = LLM("tiny-llama", enforce_eager=True, max_num_seqs=1, max_model_len=64,
+               max_num_batched_tokens=budget).generate("abcabcabc", params)
+    mode = {"enforce_eager": True} if eager else {
+        "compilation_config": {"cudagraph_capture_sizes": sizes}}
+    with caplog.at_level(logging.WARNING, logger="rung.runtime.config"):
+        llm = LLM("tiny-llama", max_num_seqs=1, max_model_len=64, max_num_batched_tokens=budget,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": num_spec},
+                  **mode)
+    assert f"max_num_batched_tokens={budget} is below 1 + num_speculative_tokens=" \
+           f"{1 + num_spec}" in caplog.text
+    got = llm.generate("abcabcabc", params)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert llm.engine.stats()["spec"]["num_drafts"] > 0

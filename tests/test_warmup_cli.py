@@ -40,3 +40,26 @@ def test_generate_prints_text_and_throughput(capsys):
                  "--max-tokens", "5", "--ignore-eos"]) == 0
     out = capsys.readouterr().out
     assert "(5 tokens, length)" in out and "tokens/s" in out
+
+
+def test_warmup_says_when_every_capture_size_is_above_the_limit(capsys, caplog):
+    # max_num_seqs=1 with k=2: the largest batch is 3 tokens; sizes 11 and 13 round to 12, 15
+    assert main(["warmup", "--model", "tiny-llama", "--capture-sizes", "11,13",
+                 "--max-num-seqs", "1", "--max-model-len", "32", "--speculative-method",
+                 "ngram", "--num-speculative-tokens", "2"]) == 0
+    assert "[12, 15]" in caplog.text and "3 tokens" in caplog.text
+    assert "NO graph is captured" in caplog.text
+    out = capsys.readouterr().out
+    assert "0 graphs" in out and "no graph captured" in out
+
+
+def test_stats_count_captured_graphs():
+    from rung.runtime import LLM
+
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    none = LLM("tiny-llama", max_num_seqs=1, max_model_len=32, speculative_config=spec,
+               compilation_config={"cudagraph_capture_sizes": [11, 13]})
+    assert none.engine.stats()["graphs_captured"] == 0
+    some = LLM("tiny-llama", max_num_seqs=1, max_model_len=32, speculative_config=spec,
+               compilation_config={"cudagraph_capture_sizes": [3, 13]})
+    assert some.engine.stats()["graphs_captured"] > 0
