@@ -366,11 +366,18 @@ def run_latency(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     env = environment(args)
     run = _Run(args, plan)
+    baselines: dict[int, dict[str, Any]] = {n: {} for n in plan.num_reqs_list}
     try:
         for label in plan.modes:
             run.run_mode(label)
             gc.collect()
         baselines = run.run_hf()
+    except (ValueError, RuntimeError, ImportError) as e:
+        if not run.records:
+            raise
+        # NOTE: the rung cells already measured are reported, not thrown away
+        print(f"error: {e}; reporting the {len(run.records)} cells measured so far",
+              file=sys.stderr)
     finally:
         run.bar.close()
     for record in run.records:

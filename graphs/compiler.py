@@ -81,6 +81,7 @@ class PiecewiseBackend:
             setattr(split, name, PiecewiseRunner(self._compile_piece(module), index,
                                                  self.manager))
         self.num_pieces = len(pieces)
+        self.manager.note_traced()
         return split
 
     def _compile_piece(self, module: fx.GraphModule) -> Callable[..., Any]:

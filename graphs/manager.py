@@ -48,6 +48,8 @@ class GraphManager:
         self.full_graphs: dict[tuple[int, int], CapturedGraph] = {}
         self.capturing = False
         self.records: list[CaptureRecord] = []
+        self.trace_seconds = 0.0      # one-time torch.compile tracing, not in any record
+        self._traced_at: float | None = None
         self._piece_bytes = 0
         self._piece_nodes: int | None = None
 
@@ -55,7 +57,9 @@ class GraphManager:
     def for_runner(cls, runner: Any, config: Any) -> "GraphManager":
         comp = config.compilation
         sizes = capture_sizes(comp.cudagraph_capture_sizes, config.max_num_seqs,
-                              config.num_spec_tokens, config.max_num_batched_tokens)
+                              config.num_spec_tokens, config.max_num_batched_tokens,
+                              comp.max_cudagraph_capture_size,
+                              short=runner.device.type == "cpu")
         return cls(runner, comp.cudagraph_mode, sizes, 1 + config.num_spec_tokens,
                    comp.backend, comp.graph_backend, config.debug_padding)
 
@@ -70,6 +74,14 @@ class GraphManager:
                                         num_tokens_across_dp)
 
     # --- capture --------------------------------------------------------------------------
+    @property
+    def num_graphs_to_capture(self) -> int:
+        return len(self.dispatcher.capture_descriptors())
+
+    def note_traced(self) -> None:
+        """Called by the compile backend once torch.compile has traced and split the model."""
+        self._traced_at = time.perf_counter()
+
     def capture_all(self, progress: Callable[[CaptureRecord], None] | None = None) -> None:
         with torch.inference_mode():
             for desc in self.dispatcher.capture_descriptors():
@@ -80,6 +92,7 @@ class GraphManager:
 
     def _capture(self, desc: BatchExecutionDescriptor) -> CaptureRecord:
         start = time.perf_counter()
+        self._traced_at = None
         ids, positions, ctx = self.runner.dummy_batch(desc)
         with forward_context(ctx):
             if desc.mode == CUDAGraphMode.PIECEWISE:
@@ -95,6 +108,11 @@ class GraphManager:
                     self._full_forward, self._full_inputs(ids, positions, ctx))
                 self.full_graphs[(desc.num_tokens_padded, desc.num_reqs_padded)] = graph
                 nbytes, nodes = graph.nbytes, graph.num_kernel_nodes
+        if self._traced_at is not None:
+            # NOTE: tracing happens once (or on a recompile); charging it to the graph
+            # that happened to trigger it would make that size look slow forever.
+            self.trace_seconds += self._traced_at - start
+            start = self._traced_at
         return CaptureRecord(desc.mode.name, desc.num_tokens_padded, desc.num_reqs_padded,
                              time.perf_counter() - start, nbytes, nodes)
 

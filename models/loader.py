@@ -25,6 +25,7 @@ class LoadedModel:
     config: dict          # HF-style config (text part for multimodal folders)
     tokenizer: Any        # None when the folder has no tokenizer.json
     name: str
+    random_weights: bool = False   # presets and load_format "dummy"
 
 
 def resolve_config(model: str) -> tuple[dict, str | None]:
@@ -38,7 +39,35 @@ def resolve_config(model: str) -> tuple[dict, str | None]:
     if not os.path.exists(path):
         raise ValueError(f"model folder {model!r} has no config.json")
     with open(path) as f:
-        return json.load(f), model
+        try:
+            cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} must hold a JSON object, got a {type(cfg).__name__}")
+    return cfg, model
+
+
+def _build(cls: type[nn.Module], cfg: dict, model: str, folder: str | None) -> nn.Module:
+    """``cls(cfg)``; a config that lacks a field or holds the wrong kind of value is a
+    ValueError naming the file."""
+    where = os.path.join(folder, "config.json") if folder else f"preset {model!r}"
+    try:
+        with torch.device("cpu"):
+            return cls(cfg)
+    except KeyError as e:
+        raise ValueError(f"{where} lacks the field {e.args[0]!r} that "
+                         f"{cls.__name__} needs") from None
+    except (TypeError, AttributeError) as e:
+        raise ValueError(f"{where} holds a value of the wrong kind for "
+                         f"{cls.__name__}: {e}") from None
+
+
+def peek_model(model: str) -> tuple[dict, Any]:
+    """(config, tokenizer) without building the model: checks a CLI can run first."""
+    cfg, folder = resolve_config(model)
+    cfg = getattr(model_class(cfg), "text_config", lambda c: c)(cfg)
+    return cfg, ByteTokenizer() if folder is None else load_tokenizer(folder, cfg)
 
 
 def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
@@ -48,12 +77,11 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cp
     cfg, folder = resolve_config(model)
     cls = model_class(cfg)
     cfg = getattr(cls, "text_config", lambda c: c)(cfg)
-    with torch.device("cpu"):
-        net = cls(cfg)
+    net = _build(cls, cfg, model, folder)
     if folder is None or load_format == "dummy":
         init_random_weights(net, seed)
     else:
         net.load_weights(iterate_safetensors(folder))
     net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)
     tokenizer = ByteTokenizer() if folder is None else load_tokenizer(folder, cfg)
-    return LoadedModel(net, cfg, tokenizer, model)
+    return LoadedModel(net, cfg, tokenizer, model, folder is None or load_format == "dummy")

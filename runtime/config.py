@@ -18,6 +18,23 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
+def parse_device(device: str | torch.device) -> torch.device:
+    """"auto" -> cuda when available, else cpu; otherwise "cpu", "cuda" or "cuda:N"."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not one of auto, cpu, cuda, cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return dev
+
+
 def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -34,6 +51,9 @@ class CompilationConfig:
     cudagraph_capture_sizes: list[int] | None = None   # None -> the default ladder
     backend: str = "eager"            # how pieces compile: "eager" (FX) or "inductor"
     graph_backend: str = "auto"       # "cuda" | "emulated" | "auto"
+    # largest padded token count a graph is captured for; None -> 512 for the default
+    # ladder (batches above it run eagerly), no cap for sizes the user lists
+    max_cudagraph_capture_size: int | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> CompilationConfig:
@@ -48,7 +68,20 @@ class CompilationConfig:
         if raw.get("backend", "eager") not in ("eager", "inductor"):
             raise ValueError(f"compilation_config backend {raw['backend']!r} not in "
                              "('eager', 'inductor')")
+        cap = raw.get("max_cudagraph_capture_size")
+        if cap is not None and (not _is_int(cap) or cap < 1):
+            raise ValueError(f"compilation_config max_cudagraph_capture_size={cap!r} must be "
+                             "a positive integer")
         return cls(**raw)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# NOTE: every verify step runs 1 + k tokens per request and the capture ladder is rounded
+# to multiples of 1 + k; past a few tokens acceptance falls off and steps only get wider.
+MAX_NUM_SPECULATIVE_TOKENS = 16
 
 
 @dataclasses.dataclass
@@ -65,11 +98,20 @@ class SpeculativeConfig:
             return None
         raw = dict(raw)
         method = raw.pop("method", None)
+        if method == "none" and not raw.get("num_speculative_tokens") and not raw.get("model"):
+            return None
         if method not in ("mtp", "ngram"):
-            raise ValueError(f"speculative_config method {method!r} not in ('mtp', 'ngram')")
+            raise ValueError(f"speculative_config method {method!r} not in ('mtp', 'ngram'); "
+                             "leave speculative_config out for no speculation")
         k = raw.pop("num_speculative_tokens", None)
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"num_speculative_tokens={k!r} must be an integer >= 1")
+        if not _is_int(k) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens={k!r} must be an integer from 1 to "
+                             f"{MAX_NUM_SPECULATIVE_TOKENS}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; "
+                             f"known: {sorted(known | {'method'})}")
         cfg = cls(method, k, **raw)
         if method == "mtp" and not cfg.model:
             raise ValueError("speculative_config method 'mtp' needs a draft 'model'")
@@ -105,7 +147,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                      "data_parallel_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         verify_len = 1 + self.num_spec_tokens
         if self.max_num_batched_tokens < verify_len:
@@ -114,6 +156,12 @@ class EngineConfig:
                            "raised to %d so a verify step fits", self.max_num_batched_tokens,
                            verify_len, verify_len)
             self.max_num_batched_tokens = verify_len
+        if self.max_model_len is not None and (not _is_int(self.max_model_len)
+                                               or self.max_model_len < 1):
+            raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer "
+                             "(or None for the model's own maximum)")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed={self.seed!r} must be an integer")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be "
                              f">= max_num_seqs={self.max_num_seqs}")

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
+import logging
+import sys
+import time
 from typing import Any, Callable
+
+from tqdm import tqdm
 
 from rung.core.graph_mode import CUDAGraphMode
 from rung.models.loader import LoadedModel, load_model
@@ -11,8 +17,10 @@ from rung.models.moe import shard_experts
 from rung.runtime.config import EngineConfig
 from rung.runtime.data_parallel import DataParallelGroup, DPStep, init_data_parallel
 from rung.runtime.kv_cache_manager import KVCacheManager
+from rung.runtime.log import configure_logging
 from rung.runtime.model_runner import ModelRunner, ModelRunnerOutput
-from rung.runtime.outputs import CompletionOutput, RequestOutput
+from rung.runtime.outputs import CompletionOutput, Logprob, RequestOutput
+from rung.runtime.parallel_sampling import ParentRequest
 from rung.runtime.request import Request
 from rung.runtime.sampling_params import SamplingParams
 from rung.runtime.scheduler import Scheduler, SchedulerOutput
@@ -20,9 +28,12 @@ from rung.runtime.spec_decode import SpecStats, make_proposer
 
 Prompt = str | dict
 
+logger = logging.getLogger(__name__)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, capture_progress: Callable | None = None) -> None:
+        configure_logging()
         self.config = config
         self.dp: DataParallelGroup | None = None
         self.all_ranks_idle = False      # data parallel: the last step's sync found no work
@@ -31,13 +42,19 @@ class LLMEngine:
                 config.data_parallel_size, config.device, config.data_parallel_timeout_s)
         self.loaded: LoadedModel = load_model(config.model, config.dtype, str(config.device),
                                               config.load_format, config.seed)
+        if hasattr(self.loaded.model, "bind_target"):
+            raise ValueError(f"model {config.model!r} is an MTP drafter, not a model to serve: "
+                             "pass it as speculative_config={'method': 'mtp', 'model': "
+                             f"{config.model!r}, ...}} next to a Gemma 4 target")
         self.tokenizer = self.loaded.tokenizer
         model_max = int(self.loaded.config.get("max_position_embeddings", 2048))
-        self.max_model_len = config.max_model_len or model_max
+        self.max_model_len = config.max_model_len if config.max_model_len is not None else (
+            model_max)
         if self.max_model_len > model_max:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={model_max}")
         self.runner = ModelRunner(config, self.loaded, self.max_model_len)
+        self._log_setup()
         self.kv = KVCacheManager(self.runner.kv_groups, self.runner.num_blocks)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
@@ -50,13 +67,55 @@ class LLMEngine:
             # NOTE: before capture: capture runs the model's collectives on every rank
             self.dp.check_same_config(self._dp_fingerprint())
             self._shard_experts()
-        if not config.enforce_eager:
-            from rung.graphs.manager import GraphManager
+        self._parents: dict[str, ParentRequest] = {}
+        self._child_index: dict[str, tuple[ParentRequest, int]] = {}
+        if config.enforce_eager:
+            logger.info("enforce_eager: no graphs, every step runs eagerly")
+        else:
+            self._capture_graphs(capture_progress)
 
-            self.runner.graphs = GraphManager.for_runner(self.runner, config)
-            self.runner.graphs.capture_all(capture_progress)
+    # --- start-up -------------------------------------------------------------------------
+    def _log_setup(self) -> None:
+        cfg, runner = self.config, self.runner
+        weights = "random weights" if self.loaded.random_weights else "weights loaded"
+        logger.info("model %s (%s, %s): %s on %s, max_model_len %d, max_num_seqs %d",
+                    cfg.model, self.loaded.config.get("model_type"), weights,
+                    str(cfg.dtype).removeprefix("torch."), cfg.device, self.max_model_len,
+                    cfg.max_num_seqs)
+        kv_bytes = sum(t.nbytes for t in {id(t): t for t in runner.kv_caches.values()}.values())
+        logger.info("attention backend %s; KV cache: %d blocks of %d tokens in %d group(s), "
+                    "%.1f MiB", runner.backend.name, runner.num_blocks, cfg.block_size,
+                    len(runner.kv_groups), kv_bytes / 2**20)
+
+    def _capture_graphs(self, capture_progress: Callable | None) -> None:
+        from rung.graphs.manager import GraphManager
+
+        graphs = GraphManager.for_runner(self.runner, self.config)
+        self.runner.graphs = graphs
+        total = graphs.num_graphs_to_capture
+        sizes = graphs.dispatcher.sizes
+        logger.info("cudagraph mode %s, %s graphs: %d capture sizes %s", graphs.mode.name,
+                    graphs.capture_backend.name, len(sizes), _short(sizes))
+        start = time.perf_counter()
+        bar = tqdm(total=total, desc="Capturing graphs", unit="graph", leave=False,
+                   file=sys.stderr, disable=total == 0 or not logger.isEnabledFor(logging.INFO))
+
+        def progress(record: Any) -> None:
+            bar.update(1)
+            if capture_progress is not None:
+                capture_progress(record)
+
+        try:
+            graphs.capture_all(progress)
             if hasattr(self.proposer, "capture_all"):
-                self.proposer.capture_all(self.runner.graphs)
+                self.proposer.capture_all(graphs)
+        finally:
+            bar.close()
+        draft = getattr(self.proposer, "records", [])
+        nbytes = sum(r.nbytes for r in graphs.records) + sum(r["nbytes"] for r in draft)
+        logger.info("captured %d graphs%s in %.1f s (one-time tracing %.1f s), %.1f MiB",
+                    len(graphs.records), f" + {len(draft)} draft graphs" if draft else "",
+                    time.perf_counter() - start, graphs.trace_seconds, nbytes / 2**20)
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
@@ -64,7 +123,7 @@ class LLMEngine:
         """Validate and queue one request. Bad input raises ValueError and leaves the
         engine untouched."""
         params = params or SamplingParams()
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
@@ -73,9 +132,19 @@ class LLMEngine:
             eos = self.loaded.config.get("eos_token_id")
             eos = eos[0] if isinstance(eos, list) else eos
         self._check_params(params)
-        req = Request(request_id, text, token_ids, params, eos, self._arrivals)
+        if params.n == 1:
+            self._add(Request(request_id, text, token_ids, params, eos, self._arrivals))
+            return
+        parent = ParentRequest(request_id, params)
+        self._parents[request_id] = parent
+        for index, child_id in enumerate(parent.child_ids):
+            self._child_index[child_id] = (parent, index)
+            self._add(Request(child_id, text, token_ids, parent.child_params(params, index),
+                              eos, self._arrivals))
+
+    def _add(self, req: Request) -> None:
         self._arrivals += 1
-        self.requests[request_id] = req
+        self.requests[req.request_id] = req
         self.scheduler.add_request(req)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -115,8 +184,17 @@ class LLMEngine:
             raise ValueError(f"top_k={params.top_k} exceeds the vocabulary size {vocab}")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {params.stop} need a tokenizer; model "
+                             f"{self.config.model!r} has none: use stop_token_ids")
 
     def abort_request(self, request_id: str) -> None:
+        parent = self._parents.pop(request_id, None)
+        if parent is not None:
+            for child_id in parent.child_ids:
+                self._child_index.pop(child_id, None)
+                self.abort_request(child_id)
+            return
         req = self.requests.get(request_id)
         if req is not None and not req.is_finished:
             self._finish(req, "abort")
@@ -169,8 +247,26 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One step. Under data parallel every rank must call it (the ranks sync); loop
         until ``all_ranks_idle``."""
+        outputs = self._step()
+        if not self._child_index:
+            return outputs
+        return [g for g in map(self._gather, outputs) if g is not None]
+
+    def _gather(self, out: RequestOutput) -> RequestOutput | None:
+        """A child of an ``n > 1`` request reports as its parent."""
+        parent, index = self._child_index.get(out.request_id, (None, 0))
+        if parent is None:
+            return out
+        gathered = parent.gather(index, out)
+        if out.finished:
+            del self._child_index[out.request_id]
+        if gathered is not None and gathered.finished:
+            del self._parents[parent.request_id]
+        return gathered
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        outputs = [self._finish(req, "error") for req in sched.errored]
+        outputs = [self._finish(req, "error", self._never_fits(req)) for req in sched.errored]
         self._stats["preemptions"] += len(sched.preempted)
         dp_step = self._dp_sync(sched) if self.dp is not None else None
         if dp_step is not None and dp_step.any_work and not sched.scheduled:
@@ -223,21 +319,56 @@ class LLMEngine:
         else:
             self.graph_replays[f"{desc.mode.name}:{desc.num_tokens_padded}"] += 1
 
+    def _never_fits(self, req: Request) -> str:
+        return (f"request {req.request_id!r} needs KV cache for {req.num_tokens} tokens but "
+                f"the whole cache holds {self.kv.num_total_blocks} blocks of "
+                f"{self.config.block_size} tokens: it can never run (shorten the prompt or "
+                "give the KV cache more blocks)")
+
     def _append(self, req: Request, new: list[int], logprobs: list | None) -> RequestOutput:
         for i, token in enumerate(new):
             req.token_ids.append(token)
             if logprobs is not None and req.logprobs is not None:
-                req.logprobs.append(logprobs[i])
+                req.logprobs.append(self._decoded(logprobs[i]))
                 req.cumulative_logprob += logprobs[i][token].logprob
             reason = self._stop_reason(req, token)
+            if reason is None and req.params.stop and self._hits_stop_string(req):
+                reason = "stop"
             if reason is not None:
                 req.finish_reason = reason
-                if reason == "stop" and token != req.eos_token_id:
+                if reason == "stop" and token != req.eos_token_id and req.text_end is None:
                     req.stop_reason = token
                 break
         if req.finish_reason is not None:
             return self._finish(req, req.finish_reason)
         return self._output(req)
+
+    def _decoded(self, logprobs: dict[int, Logprob]) -> dict[int, Logprob]:
+        if self.tokenizer is None:
+            return logprobs
+        decode = self.tokenizer.decode
+        return {t: dataclasses.replace(lp, decoded_token=decode([t]))
+                for t, lp in logprobs.items()}
+
+    def _hits_stop_string(self, req: Request) -> bool:
+        """Whether the output text now holds a stop string; if so, where the text ends.
+
+        NOTE: only the text from ``stop_scan_from`` on (minus the longest stop string) is
+        searched, so a stop string is found once, at its first occurrence.
+        """
+        p = req.params
+        if req.num_output_tokens < p.min_tokens:
+            return False
+        text = self.tokenizer.decode(req.output_token_ids)
+        start = max(req.stop_scan_from - max(map(len, p.stop)) + 1, 0)
+        req.stop_scan_from = len(text)
+        hits = [(i, stop) for stop in p.stop if (i := text.find(stop, start)) >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        req.stop_reason = stop
+        req.text_end = index + (len(stop) if p.include_stop_str_in_output else 0)
+        return True
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
@@ -253,7 +384,8 @@ class LLMEngine:
             return "length"
         return None
 
-    def _finish(self, req: Request, reason: str) -> RequestOutput:
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
+        req.error = error
         self.scheduler.finish(req, reason)
         self._stats[f"finished_{req.finish_reason}"] += 1
         out = self._output(req)
@@ -262,12 +394,14 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         decode = self.tokenizer.decode if self.tokenizer is not None else None
+        if decode is not None and req.text_end is not None:
+            decode = _trimmed(decode, req.text_end)
         # NOTE: output_token_ids is already a fresh slice; it is not copied again
         completion = CompletionOutput(0, req.output_token_ids,
                                       req.cumulative_logprob if req.logprobs is not None
                                       else None,
                                       list(req.logprobs) if req.logprobs is not None else None,
-                                      req.finish_reason, req.stop_reason, decode)
+                                      req.finish_reason, req.stop_reason, decode, req.error)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
                              req.is_finished)
 
@@ -287,3 +421,14 @@ class LLMEngine:
             s["data_parallel"] = {"rank": self.dp.rank, "world_size": self.dp.world_size,
                                   **self.dp.stats.as_dict()}
         return s
+
+
+def _trimmed(decode: Callable[[list[int]], str], end: int) -> Callable[[list[int]], str]:
+    return lambda token_ids: decode(token_ids)[:end]
+
+
+def _short(sizes: list[int]) -> str:
+    """[1, 2, 4, 8, 16, 24, 32] -> '[1, 2, 4, ..., 24, 32]' past 8 sizes."""
+    if len(sizes) <= 8:
+        return str(sizes)
+    return f"[{', '.join(map(str, sizes[:3]))}, ..., {', '.join(map(str, sizes[-2:]))}]"

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
-from rung.runtime.config import CompilationConfig, EngineConfig, SpeculativeConfig, parse_dtype
+from rung.runtime.config import (
+    CompilationConfig,
+    EngineConfig,
+    SpeculativeConfig,
+    parse_device,
+    parse_dtype,
+)
 from rung.runtime.data_parallel import ROUTING_POLICIES, route_requests
 from rung.runtime.engine import LLMEngine, Prompt
 from rung.runtime.outputs import RequestOutput
@@ -39,14 +47,14 @@ class LLM:
                              f"{ROUTING_POLICIES}")
         self.data_parallel_routing = data_parallel_routing
         self._num_prompts = 0
-        dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
-                           if device == "auto" else device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} requested but CUDA is not available")
+        dev = parse_device(device)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(2048, max_num_seqs) if isinstance(
+                max_num_seqs, int) else 2048
         config = EngineConfig(
             model=model, dtype=parse_dtype(dtype, dev), device=dev, seed=seed,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens or max(2048, max_num_seqs),
+            max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, num_gpu_blocks_override=num_gpu_blocks_override,
             enforce_eager=enforce_eager,
             compilation=CompilationConfig.from_dict(compilation_config),
@@ -63,9 +71,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Iterable[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False,
+                 use_tqdm: bool = True,
                  data_parallel_ranks: list[int] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order.
+        """Run every prompt to completion; outputs in prompt order. A progress bar on
+        stderr counts finished prompts unless ``use_tqdm=False``.
 
         Data parallel: ``data_parallel_ranks[i]`` is the rank that runs prompt i (default:
         the routing policy's choice)."""
@@ -95,15 +104,32 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        done: dict[str, RequestOutput] = {}
-        self.engine.all_ranks_idle = False
-        while self._keep_stepping():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
+        done = self._run(sum(mine), use_tqdm and (dp is None or dp.rank == 0))
         if dp is not None:
             done = self._gather_outputs(done)
         return [done[rid] for rid in ids]
+
+    def _run(self, num_prompts: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Step until this engine's prompts (every rank's, under data parallel) are done."""
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=num_prompts, desc="Processed prompts", unit="prompt", file=sys.stderr,
+                   disable=not use_tqdm)
+        num_output_tokens = 0
+        self.engine.all_ranks_idle = False
+        try:
+            while self._keep_stepping():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        elapsed = bar.format_dict["elapsed"]
+                        if elapsed > 0:
+                            bar.set_postfix_str(
+                                f"output {num_output_tokens / elapsed:.1f} tok/s", refresh=False)
+        finally:
+            bar.close()
+        return done
 
     def _keep_stepping(self) -> bool:
         if self.engine.dp is None:

@@ -115,6 +115,11 @@ class MtpProposer(Proposer):
     @classmethod
     def build(cls, config: Any, engine: Any) -> "MtpProposer":
         spec = config.speculative
+        target_type = engine.loaded.config.get("model_type", "")
+        if not str(target_type).startswith("gemma4"):
+            raise ValueError(f"speculative method 'mtp' with drafter {spec.model!r} requires a "
+                             f"Gemma 4 target; model {config.model!r} is {target_type!r} "
+                             "(use method 'ngram' for other models)")
         loaded = load_model(spec.model, config.dtype, str(config.device), config.load_format,
                             config.seed + 1)
         drafter = loaded.model
@@ -150,8 +155,11 @@ class MtpProposer(Proposer):
         if self.runner.backend.graph_support < GraphSupport.UNIFORM_BATCH:
             return
         self.capture_backend = graphs.capture_backend
-        sizes = draft_capture_sizes(self.config.compilation.cudagraph_capture_sizes,
-                                    self.runner.input_batch.max_num_reqs)
+        comp = self.config.compilation
+        sizes = draft_capture_sizes(comp.cudagraph_capture_sizes,
+                                    self.runner.input_batch.max_num_reqs,
+                                    comp.max_cudagraph_capture_size,
+                                    short=self.runner.device.type == "cpu")
         self.dispatcher = Dispatcher(CUDAGraphMode.FULL_DECODE_ONLY, sizes,
                                      self.runner.input_batch.max_num_reqs)
         with torch.inference_mode():

@@ -24,11 +24,21 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     detokenize: Callable[[list[int]], str] | None = dataclasses.field(
         default=None, repr=False, compare=False)
+    error: str | None = None            # why, when finish_reason is "error"
 
     @functools.cached_property
     def text(self) -> str:
         """Decoded on first access: streaming outputs that nobody reads cost nothing."""
         return self.detokenize(self.token_ids) if self.detokenize is not None else ""
+
+    def __repr__(self) -> str:
+        fields = [f"index={self.index}", f"text={self.text!r}", f"token_ids={self.token_ids}",
+                  f"cumulative_logprob={self.cumulative_logprob}",
+                  f"logprobs={self.logprobs}", f"finish_reason={self.finish_reason!r}",
+                  f"stop_reason={self.stop_reason!r}"]
+        if self.error is not None:
+            fields.append(f"error={self.error!r}")
+        return f"CompletionOutput({', '.join(fields)})"
 
     def finished(self) -> bool:
         return self.finish_reason is not None

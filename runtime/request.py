@@ -30,7 +30,10 @@ class Request:
         self.spec_token_ids: list[int] = []  # drafts to verify next step
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
-        self.stop_reason: int | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None       # why it finished with "error"
+        self.text_end: int | None = None    # output text ends here (a stop string was hit)
+        self.stop_scan_from = 0             # output text before this holds no stop string
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.num_preemptions = 0

@@ -16,14 +16,32 @@ class SamplingParams:
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None     # top-N logprobs per sampled token (plus the sampled one)
+    n: int = 1                      # parallel samples of the prompt, one CompletionOutput each
+    # strings that end the output, matched on the detokenized text; the output is trimmed
+    # before the match unless include_stop_str_in_output
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
             self.top_k = 0
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
         self._check()
 
     def _check(self) -> None:
+        for name in ("temperature", "top_p"):
+            _require(_is_number(getattr(self, name)), name, getattr(self, name), "a number")
+        for name in ("top_k", "min_tokens", "n"):
+            _require(_is_int(getattr(self, name)), name, getattr(self, name), "an integer")
+        for name in ("max_tokens", "seed", "logprobs"):
+            value = getattr(self, name)
+            _require(value is None or _is_int(value), name, value, "an integer or None")
+        _require(self.n >= 1, "n", self.n, ">= 1")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+                 "non-empty strings")
         _require(self.temperature >= 0, "temperature", self.temperature, ">= 0")
         _require(self.top_k >= 0, "top_k", self.top_k, ">= 0 (or -1 for all)")
         _require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
@@ -38,6 +56,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _require(ok: bool, name: str, value: object, limit: str) -> None:

@@ -4,54 +4,76 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
-from tqdm import tqdm
+from rung.core.graph_mode import CUDAGraphMode
 
 
-def _table(records: list[dict]) -> str:
-    head = f"{'mode':<10} {'tokens':>7} {'reqs':>5} {'capture_ms':>11} {'memory_kib':>11} " \
-           f"{'kernel_nodes':>12}"
+def served_ranges(sizes: list[int]) -> dict[int, str]:
+    """Capture size -> the real token counts it serves: [1, 2, 4, 8] -> {4: '3-4', 8: '5-8'}."""
+    out, low = {}, 1
+    for size in sizes:
+        out[size] = str(size) if low == size else f"{low}-{size}"
+        low = size + 1
+    return out
+
+
+def _row(mode: str, tokens: str, reqs: str, serves: str, record: dict) -> str:
+    nodes = record.get("num_kernel_nodes")
+    return (f"{mode:<10} {tokens:>7} {reqs:>5} {serves:>9} {record['seconds'] * 1e3:>11.1f} "
+            f"{record['nbytes'] / 1024:>11.1f} {'-' if nodes is None else nodes:>12}")
+
+
+def _table(records: list[dict], draft_records: list[dict], sizes: list[int],
+           draft_sizes: list[int]) -> str:
+    """PIECEWISE graphs depend on the token count alone (reqs '-'); FULL graphs on both;
+    DRAFT rows are the drafter's graphs, one query per request."""
+    head = (f"{'mode':<10} {'tokens':>7} {'reqs':>5} {'serves':>9} {'capture_ms':>11} "
+            f"{'memory_kib':>11} {'kernel_nodes':>12}")
     rows = [head, "-" * len(head)]
+    serves = served_ranges(sizes)
     for r in records:
-        nodes = "-" if r["num_kernel_nodes"] is None else str(r["num_kernel_nodes"])
-        rows.append(f"{r['mode']:<10} {r['num_tokens_padded']:>7} {r['num_reqs_padded']:>5} "
-                    f"{r['seconds'] * 1e3:>11.1f} {r['nbytes'] / 1024:>11.1f} {nodes:>12}")
+        size = r["num_tokens_padded"]
+        reqs = "-" if r["mode"] == CUDAGraphMode.PIECEWISE.name else str(r["num_reqs_padded"])
+        rows.append(_row(r["mode"], str(size), reqs, serves.get(size, "?"), r))
+    draft_serves = served_ranges(draft_sizes)
+    for r in draft_records:
+        size = r["num_reqs_padded"]
+        rows.append(_row(r["mode"], str(size), str(size),
+                         draft_serves.get(size, "?") + " reqs", r))
     return "\n".join(rows)
 
 
 def run_warmup(args: argparse.Namespace, build_llm: Callable) -> int:
+    """Errors a user can cause raise ValueError; the CLI turns them into one line."""
     if args.enforce_eager:
-        print("error: warmup captures graphs; drop --enforce-eager", file=sys.stderr)
-        return 2
+        raise ValueError("warmup captures graphs; drop --enforce-eager")
     start = time.perf_counter()
-    bar = tqdm(desc="capturing", unit="graph", file=sys.stderr)
-    progress = lambda r: bar.update(1) or bar.set_postfix_str(  # noqa: E731
-        f"{r.mode}:{r.num_tokens_padded}")
-    try:
-        llm = build_llm(args, capture_progress=progress)
-    except ValueError as e:
-        bar.close()
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (RuntimeError, AssertionError) as e:
-        bar.close()
-        print(f"error: graph capture failed: {e}", file=sys.stderr)
-        return 1
-    bar.close()
+    llm = build_llm(args)
     graphs = llm.engine.runner.graphs
+    proposer = llm.engine.proposer
+    draft = [dict(r) for r in getattr(proposer, "records", [])]
+    draft_sizes = list(getattr(getattr(proposer, "dispatcher", None), "sizes", []))
     records = [dict(vars(r)) for r in graphs.records]
-    print(f"model {args.model}: {len(records)} graphs, mode {graphs.mode.name}, "
-          f"backend {graphs.capture_backend.name}, {time.perf_counter() - start:.1f} s total")
-    print(_table(records))
-    if not records:
-        print("no graph captured: every step will run eagerly (capture sizes above what this "
-              "config can schedule, or an eager-only mode)")
+    report: dict[str, Any] = {
+        "model": args.model, "mode": graphs.mode.name,
+        "capture_backend": graphs.capture_backend.name,
+        "capture_sizes": graphs.dispatcher.sizes, "trace_seconds": graphs.trace_seconds,
+        "graphs": records, "draft_capture_sizes": draft_sizes, "draft_graphs": draft}
+    elapsed = time.perf_counter() - start
+    if not records and not draft:
+        why = ("cudagraph mode NONE" if graphs.mode == CUDAGraphMode.NONE
+               else "capture sizes above what this config can schedule")
+        print(f"model {args.model}: 0 graphs, mode {graphs.mode.name}: no graph captured: "
+              f"every step will run eagerly ({why}; {elapsed:.1f} s start-up)")
+    else:
+        print(f"model {args.model}: {len(records)} graphs"
+              f"{f' + {len(draft)} draft graphs' if draft else ''}, mode {graphs.mode.name}, "
+              f"backend {graphs.capture_backend.name}, {elapsed:.1f} s total, of which "
+              f"one-time tracing {graphs.trace_seconds:.1f} s (not in any row)")
+        print(_table(records, draft, graphs.dispatcher.sizes, draft_sizes))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "mode": graphs.mode.name,
-                       "capture_backend": graphs.capture_backend.name,
-                       "capture_sizes": graphs.dispatcher.sizes, "graphs": records}, f, indent=2)
+            json.dump(report, f, indent=2)
     return 0
