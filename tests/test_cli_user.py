@@ -251,3 +251,12 @@ def test_warmup_lists_drafter_graphs():
     draft_rows = [r.split() for r in results[0]["out"].splitlines() if r.startswith("DRAFT")]
     assert sorted(r[1] for r in draft_rows) == ["1", "2"]
     assert "+ 2 draft graphs" in results[0]["out"]
+
+
+# --- 9: the README works from a clone ----------------------------------------------------------
+def test_readme_links_stay_inside_the_repo():
+    readme = (ROOT / "README.md").read_text()
+    for target in re.findall(r"\]\(([^)#]+)", readme):
+        path = (ROOT / target).resolve()
+        assert path.is_relative_to(ROOT) and path.exists(), target
+    assert "--index-url https://download.pytorch.org/whl/cpu" in readme
