@@ -394,14 +394,13 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         decode = self.tokenizer.decode if self.tokenizer is not None else None
-        if decode is not None and req.text_end is not None:
-            decode = _trimmed(decode, req.text_end)
         # NOTE: output_token_ids is already a fresh slice; it is not copied again
         completion = CompletionOutput(0, req.output_token_ids,
                                       req.cumulative_logprob if req.logprobs is not None
                                       else None,
                                       list(req.logprobs) if req.logprobs is not None else None,
-                                      req.finish_reason, req.stop_reason, decode, req.error)
+                                      req.finish_reason, req.stop_reason, decode, req.error,
+                                      req.text_end)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
                              req.is_finished)
 
@@ -421,10 +420,6 @@ class LLMEngine:
             s["data_parallel"] = {"rank": self.dp.rank, "world_size": self.dp.world_size,
                                   **self.dp.stats.as_dict()}
         return s
-
-
-def _trimmed(decode: Callable[[list[int]], str], end: int) -> Callable[[list[int]], str]:
-    return lambda token_ids: decode(token_ids)[:end]
 
 
 def _short(sizes: list[int]) -> str:

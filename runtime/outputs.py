@@ -25,11 +25,15 @@ class CompletionOutput:
     detokenize: Callable[[list[int]], str] | None = dataclasses.field(
         default=None, repr=False, compare=False)
     error: str | None = None            # why, when finish_reason is "error"
+    # the text ends here (a stop string was hit), None for the whole decoded text
+    text_end: int | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @functools.cached_property
     def text(self) -> str:
         """Decoded on first access: streaming outputs that nobody reads cost nothing."""
-        return self.detokenize(self.token_ids) if self.detokenize is not None else ""
+        if self.detokenize is None:
+            return ""
+        return self.detokenize(self.token_ids)[:self.text_end]
 
     def __repr__(self) -> str:
         fields = [f"index={self.index}", f"text={self.text!r}", f"token_ids={self.token_ids}",
