@@ -80,6 +80,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         f"{_DEFAULT_NUM_SPEC_TOKENS} with a method; 0 means no speculation)")
     p.add_argument("--debug-padding", action="store_true",
                    help="poison padded buffers and validate metadata at every step")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="data-parallel ranks: spawned on this machine, or this process is "
+                        "one of them under torchrun")
+    p.add_argument("--data-parallel-timeout-s", type=float, default=120.0,
+                   help="a collective waiting longer fails the rank (a dead peer)")
 
 
 def _speculative_config(args: argparse.Namespace) -> dict | None:
@@ -124,7 +129,9 @@ def build_llm(args: argparse.Namespace, capture_progress: Callable | None = None
                enforce_eager=args.enforce_eager, compilation_config=compilation,
                attention_backend=args.attention_backend,
                speculative_config=_speculative_config(args), load_format=args.load_format,
-               debug_padding=args.debug_padding or None, capture_progress=capture_progress)
+               debug_padding=args.debug_padding or None, capture_progress=capture_progress,
+               data_parallel_size=args.data_parallel_size,
+               data_parallel_timeout_s=args.data_parallel_timeout_s)
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -212,31 +219,53 @@ def _check_prompts(args: argparse.Namespace, prompts: list[str | dict]) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    _check_prompts(args, _prompts(args))
+    if args.data_parallel_size > 1 and "RANK" not in os.environ:
+        from rung.runtime.data_parallel import spawn_ranks
+
+        reports = spawn_ranks(generate_report, args.data_parallel_size, (args,),
+                              timeout_s=args.data_parallel_timeout_s * 30)
+        print("\n".join(reports))
+        return 0
+    print(generate_report(None, args))
+    return 0
+
+
+def generate_report(rank: int | None, args: argparse.Namespace) -> str:
+    """What `rung generate` prints. Under data parallel (``rank``: spawned rank, or None
+    under torchrun) rank 0 prints the outputs and every rank its padding line."""
     from rung.runtime.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sampling_seed,
                             ignore_eos=args.ignore_eos, n=args.n, stop=args.stop)
-    prompts = _prompts(args)
-    _check_prompts(args, prompts)
     llm = build_llm(args)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(_prompts(args), params)
     elapsed = time.perf_counter() - start
-    num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    for out in outputs:
-        shown = repr(out.prompt) if out.prompt is not None else out.prompt_token_ids
-        for c in out.outputs:
-            print(f"--- {shown} -> ({len(c.token_ids)} tokens, {c.finish_reason})")
-            print(c.text if llm.get_tokenizer() is not None else c.token_ids)
-            if c.error:
-                print(f"error: {c.error}")
-    print(f"{num_tokens} tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tokens/s")
-    spec = llm.engine.stats().get("spec")
+    stats = llm.engine.stats()
+    dp = stats.get("data_parallel")
+    lines: list[str] = []
+    if dp is None or dp["rank"] == 0:
+        num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        for out in outputs:
+            shown = repr(out.prompt) if out.prompt is not None else out.prompt_token_ids
+            for c in out.outputs:
+                lines.append(f"--- {shown} -> ({len(c.token_ids)} tokens, {c.finish_reason})")
+                lines.append(str(c.text if llm.get_tokenizer() is not None else c.token_ids))
+                if c.error:
+                    lines.append(f"error: {c.error}")
+        lines.append(f"{num_tokens} tokens in {elapsed:.2f} s: "
+                     f"{num_tokens / elapsed:.1f} tokens/s")
+    spec = stats.get("spec")
     if spec:
-        print(f"speculative: acceptance rate {spec['acceptance_rate']:.2f}, "
-              f"mean tokens per step {spec['mean_tokens_per_step']:.2f}")
-    return 0
+        lines.append(f"speculative: acceptance rate {spec['acceptance_rate']:.2f}, "
+                     f"mean tokens per step {spec['mean_tokens_per_step']:.2f}")
+    if dp is not None:
+        lines.append(f"data parallel rank {dp['rank']}/{dp['world_size']}: {dp['steps']} "
+                     f"steps, {dp['dummy_steps']} dummy, padding waste "
+                     f"{100 * dp['padding_waste']:.1f}%")
+    return "\n".join(lines)
 
 
 # --- warmup ----------------------------------------------------------------------------------
@@ -274,6 +303,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("--baseline hf needs transformers: pip install 'rung[test]'")
     check_output_path(args.json, "--json")
     check_output_path(args.plot, "--plot")
+    if args.data_parallel_size > 1:
+        from rung.bench.dp_latency import run_dp_latency
+
+        return run_dp_latency(args)
     from rung.bench.latency import run_latency
 
     return run_latency(args)

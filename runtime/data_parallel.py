@@ -16,6 +16,7 @@ Two ways to start the ranks:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -23,8 +24,10 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
+import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -229,8 +232,9 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (),
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, results),
                          daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    with _main_not_rerun(fn):
+        for p in procs:
+            p.start()
     try:
         return _collect(procs, results, world_size, timeout_s)
     finally:
@@ -244,9 +248,29 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (),
                 p.join(timeout=5)
 
 
-def _collect(procs: list, results: Any, world_size: int, timeout_s: float) -> list[Any]:
-    import time
+@contextlib.contextmanager
+def _main_not_rerun(fn: Callable[..., Any]) -> Iterator[None]:
+    """Spawned ranks import ``fn``'s module, never re-run the launching script.
 
+    NOTE: a console script (`rung`) has no ``if __name__ == "__main__"`` guard, so a rank
+    that re-ran it would spawn ranks of its own; multiprocessing skips the main module
+    when it has neither ``__spec__`` nor ``__file__``.
+    """
+    main = sys.modules.get("__main__")
+    if main is None or fn.__module__ == "__main__":
+        yield
+        return
+    saved_file, saved_spec = main.__dict__.pop("__file__", None), main.__spec__
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__spec__ = saved_spec
+        if saved_file is not None:
+            main.__file__ = saved_file
+
+
+def _collect(procs: list, results: Any, world_size: int, timeout_s: float) -> list[Any]:
     deadline = time.monotonic() + timeout_s
     out: dict[int, Any] = {}
     while len(out) < world_size:

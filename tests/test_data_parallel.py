@@ -178,3 +178,32 @@ def test_routing_policies():
 def test_data_parallel_needs_ranks():
     with pytest.raises(ValueError, match="torchrun"):
         LLM("tiny-llama", data_parallel_size=2, enforce_eager=True, **COMMON)
+
+
+def test_dp_table_shows_padding_per_rank():
+    from rung.bench.dp_latency import format_dp_table
+
+    row = dict(mode="full", num_reqs=1, steps=4, step_ms_p50=1.5)
+    table = format_dp_table([dict(row, rank=1, rank_num_reqs=0, dummy_steps=4,
+                                  padding_waste=1.0),
+                             dict(row, rank=0, rank_num_reqs=1, dummy_steps=0,
+                                  padding_waste=0.0)])
+    lines = table.splitlines()
+    assert "padding_waste" in lines[0] and len(lines) == 3
+    assert lines[1].split()[2:4] == ["0", "1"] and lines[1].endswith("0.0%")
+    assert lines[2].split()[2:4] == ["1", "0"] and lines[2].endswith("100.0%")
+
+
+@pytest.mark.slow
+def test_cli_bench_latency_spawns_ranks(capsys):
+    from rung.runtime.cli import main
+
+    assert main(["bench", "latency", "--model", "tiny-llama", "--data-parallel-size", "2",
+                 "--batch-sizes", "1,3", "--modes", "none", "--input-len", "4",
+                 "--output-len", "3", "--iters", "1", "--warmup-iters", "0"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.split()[:1] == ["none"]]
+    # (num_reqs, rank) -> padding waste: 1 request leaves rank 1 all padding
+    waste = {(r[1], r[2]): r[-1] for r in rows}
+    assert waste[("1", "0")] == "0.0%" and waste[("1", "1")] == "100.0%"
+    assert set(waste) == {("1", "0"), ("1", "1"), ("3", "0"), ("3", "1")}
