@@ -1,4 +1,4 @@
-"""`rung` command line: generate, warmup, bench.
+"""`rung` command line: generate, warmup, verify, bench.
 
 Every subcommand is added by one ``_add_*`` function; errors a user can cause become one
 ``error: ...`` line on stderr (exit 2 for bad input, 1 for a failure), Ctrl-C exits quietly
@@ -57,7 +57,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="capture no graphs: every step runs eagerly (fastest start-up)")
     p.add_argument("--mode", default=None,
                    help="cudagraph mode: none, piecewise, full, full_decode_only or "
-                        "full_and_piecewise (default: full_and_piecewise)")
+                        "full_and_piecewise (default: full_and_piecewise; verify: 'all' "
+                        "checks the four graph modes)")
     p.add_argument("--capture-sizes", default=None,
                    help="comma-separated padded token counts to capture, e.g. 1,2,4,8 "
                         "(default: 1, 2, 4, then every 8 up to the largest batch, capped "
@@ -284,6 +285,28 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     return run_warmup(args, build_llm)
 
 
+# --- verify ----------------------------------------------------------------------------------
+def _add_verify(sub: Any) -> None:
+    verify = sub.add_parser("verify", help="replay every graph at every fill level with "
+                            "poisoned pads; compare logits, tokens and drafts to eager",
+                            formatter_class=_HelpFormatter)
+    _engine_args(verify)
+    verify.add_argument("--json", default=None, help="also write every cell's result here")
+    verify.add_argument("--guard-kv", action="store_true",
+                        help="also fail a step that writes KV outside its real tokens' slots "
+                        "(clones the KV cache every step: slower)")
+    verify.set_defaults(func=cmd_verify)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    if args.enforce_eager:
+        raise ValueError("verify compares graphs to eager; drop --enforce-eager")
+    check_output_path(args.json, "--json")
+    from rung.runtime.verify import run_verify
+
+    return run_verify(args, build_llm)
+
+
 # --- bench -----------------------------------------------------------------------------------
 def _add_bench(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks", formatter_class=_HelpFormatter)
@@ -313,7 +336,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # --- entry point -----------------------------------------------------------------------------
-SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_warmup, _add_bench]
+SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_warmup, _add_verify,
+                                              _add_bench]
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -7,13 +7,14 @@ are written, and pad input rows are garbage at every replay.
 import logging
 
 import pytest
-import torch
 
 from rung.core.graph_mode import GraphSupport
 from rung.kernels.selector import register_backend
 from rung.kernels.torch_backend import TorchBackend
 from rung.runtime import LLM, SamplingParams
 from rung.runtime.cli import main as cli_main
+from rung.runtime.input_batch import InputBatch
+from rung.runtime.verify import guard_kv, verify_engine
 
 SIZES = [1, 2, 4, 8]
 ENGINE = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 96,
@@ -32,74 +33,37 @@ def eager_llm():
     return LLM("tiny-llama", enforce_eager=True, **ENGINE)
 
 
-def guard_kv(runner):
-    """Fail if a step writes any KV slot outside its real tokens' slots (null block aside)."""
-    execute = runner.execute
-
-    def checked(sched, block_ids):
-        before = {name: cache.clone() for name, cache in runner.kv_caches.items()}
-        out = execute(sched, block_ids)
-        num_tokens = runner.last_desc.num_tokens
-        for group in runner.kv_groups:
-            slots = torch.from_numpy(
-                runner.input_batch.slot_mappings[group.group_id].np[:num_tokens].copy())
-            for name in group.layer_names:
-                cache = runner.kv_caches[name]
-                changed = (cache != before[name]).flatten(3).any(-1).any(0).flatten()
-                allowed = torch.zeros_like(changed)
-                allowed[slots] = True
-                allowed[:cache.shape[2]] = True        # the null block takes pad writes
-                assert not bool((changed & ~allowed).any()), f"{name}: KV written off-slot"
-        return out
-
-    runner.execute = checked
-
-
-def _scenario(num_reqs):
-    """Steps of (requests to add before the step). Ends with every request finished."""
-    prompt = lambda i: {"prompt_token_ids": [3 + (7 * i + j) % 500  # noqa: E731
-                                             for j in range(2 + (5 * i) % 9)]}
-    first = [(f"r{num_reqs}-{i}", prompt(i)) for i in range(num_reqs - 1)]
-    last = [(f"r{num_reqs}-last", prompt(num_reqs + 3))]
-    # prefill, decode n-1, then a mixed step (n-1 decodes + 1 prefill), then decodes of n
-    return [first, [], last] if first else [last]
-
-
-def _drive(llm, num_reqs):
-    engine, logits, tokens, modes = llm.engine, [], {}, []
-    steps = _scenario(num_reqs)
-    i = 0
-    while i < len(steps) or engine.has_unfinished_requests():
-        for rid, prompt in steps[i] if i < len(steps) else []:
-            engine.add_request(rid, prompt, GREEDY)
-        for out in engine.step():
-            tokens[out.request_id] = out.outputs[0].token_ids
-        logits.append(engine.runner.last_logits.clone())
-        modes.append(engine.runner.last_desc)
-        i += 1
-    return logits, tokens, modes
-
-
 @pytest.mark.parametrize("mode", ["full_and_piecewise", "piecewise", "full", "full_decode_only"])
 def test_every_partial_batch_replays_like_eager(mode, eager_llm):
+    # the same check `rung verify` runs: every size x num_reqs, pads poisoned, KV guarded
     graph_llm = _graph_llm(mode)
     guard_kv(graph_llm.engine.runner)
-    replayed = set()
-    for num_reqs in range(1, SIZES[-1] + 1):
-        want_logits, want_tokens, _ = _drive(eager_llm, num_reqs)
-        got_logits, got_tokens, descs = _drive(graph_llm, num_reqs)
-        assert got_tokens == want_tokens, f"{mode}, {num_reqs} requests"
-        for step, (got, want) in enumerate(zip(got_logits, want_logits)):
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5,
-                                       msg=f"{mode}, {num_reqs} requests, step {step}")
-        replayed |= {(d.mode.name, d.num_reqs, d.num_reqs_padded) for d in descs}
+    cells = verify_engine(graph_llm.engine, eager_llm.engine)
+    assert [c for c in cells if c.status == "fail"] == []
     decode_mode = {"piecewise": "PIECEWISE"}.get(mode, "FULL")
-    # every num_reqs in (p, s] ran padded to s at least once
-    for num_reqs in range(1, SIZES[-1] + 1):
-        assert any(m == decode_mode and n == num_reqs for m, n, _ in replayed), num_reqs
-    assert any(n < n_pad for _, n, n_pad in replayed) or decode_mode == "PIECEWISE"
+    # every size replayed the uniform batch at every fill level 1..size
+    decode = [c for c in cells if c.mode == decode_mode and c.status != "n/a"]
+    assert [c for c in decode if c.status != "pass"] == []
+    assert len(decode) == sum(SIZES)
     if mode in ("full_and_piecewise", "piecewise"):
-        assert any(m == "PIECEWISE" for m, _, _ in replayed)
+        assert any(c.mode == "PIECEWISE" and c.status == "pass" for c in cells)
+
+
+def test_verify_catches_a_pad_row_that_reads_live_kv(eager_llm, monkeypatch):
+    """A pad() that forgets to zero seq_lens of pad rows must fail the matching cells."""
+    graph_llm = _graph_llm("full", sizes=[4])
+    pad = InputBatch.pad
+
+    def forgetful_pad(self, desc):
+        pad(self, desc)
+        self.seq_lens.np[desc.num_reqs:desc.num_reqs_padded] = 7
+        self.block_tables[0].np[desc.num_reqs:desc.num_reqs_padded] = 1
+
+    monkeypatch.setattr(InputBatch, "pad", forgetful_pad)
+    cells = verify_engine(graph_llm.engine, eager_llm.engine)
+    failed = [c for c in cells if c.status == "fail"]
+    assert [(c.mode, c.size, c.num_reqs) for c in failed] == [("FULL", 4, 1)]
+    assert "step" in failed[0].detail
 
 
 def test_staggered_arrivals_match_eager_and_replay_at_several_sizes():
