@@ -299,8 +299,9 @@ def _add_verify(sub: Any) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    if args.enforce_eager:
-        raise ValueError("verify compares graphs to eager; drop --enforce-eager")
+    if args.enforce_eager or args.mode == "none":
+        raise ValueError("verify compares graph replays to eager: drop --enforce-eager and "
+                         "--mode none")
     check_output_path(args.json, "--json")
     from rung.runtime.verify import run_verify
 

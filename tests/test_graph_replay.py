@@ -51,7 +51,7 @@ def test_every_partial_batch_replays_like_eager(mode, eager_llm):
 
 def test_verify_catches_a_pad_row_that_reads_live_kv(eager_llm, monkeypatch):
     """A pad() that forgets to zero seq_lens of pad rows must fail the matching cells."""
-    graph_llm = _graph_llm("full", sizes=[4])
+    graph_llm = _graph_llm("full", sizes=[4], debug_padding=True)   # as `rung verify` runs
     pad = InputBatch.pad
 
     def forgetful_pad(self, desc):

@@ -1,0 +1,42 @@
+"""`rung verify`: the matrix, the verdict, --json and the exit code."""
+
+import json
+
+from rung.runtime.cli import main
+from rung.runtime.input_batch import InputBatch
+
+ARGS = ["verify", "--model", "tiny-llama", "--max-num-seqs", "2", "--max-model-len", "64",
+        "--mode", "full"]
+
+
+def test_verify_prints_a_matrix_and_passes(tmp_path, capsys):
+    out = tmp_path / "verify.json"
+    assert main([*ARGS, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "FULL replays" in printed and "PASS: all" in printed
+    report = json.loads(out.read_text())
+    assert report["verdict"] == "pass"
+    cells = report["modes"][0]["cells"]
+    assert {(c["size"], c["num_reqs"]) for c in cells if c["status"] == "pass"} == {
+        (1, 1), (2, 1), (2, 2)}
+
+
+def test_verify_exits_1_on_a_mismatch(monkeypatch, capsys):
+    pad = InputBatch.pad
+
+    def pad_rows_read_block_1(self, desc):      # a pad() that breaks the contract
+        pad(self, desc)
+        if desc.num_reqs == 0:                   # capture batches stay valid
+            return
+        self.seq_lens.np[desc.num_reqs:desc.num_reqs_padded] = 3
+        self.block_tables[0].np[desc.num_reqs:desc.num_reqs_padded] = 1
+
+    monkeypatch.setattr(InputBatch, "pad", pad_rows_read_block_1)
+    assert main(ARGS) == 1
+    printed = capsys.readouterr().out
+    assert "FAIL:" in printed and "✗ FULL size 2, 1 requests" in printed
+
+
+def test_verify_refuses_eager(capsys):
+    assert main([*ARGS, "--enforce-eager"]) == 2
+    assert "drop --enforce-eager" in capsys.readouterr().err
