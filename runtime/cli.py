@@ -299,6 +299,9 @@ def _add_verify(sub: Any) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if args.data_parallel_size > 1:
+        raise ValueError("verify runs one process: drop --data-parallel-size "
+                         f"{args.data_parallel_size}")
     if args.enforce_eager or args.mode == "none":
         raise ValueError("verify compares graph replays to eager: drop --enforce-eager and "
                          "--mode none")
