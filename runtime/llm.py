@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from rung.models.chat_template import Conversation, apply_chat_template
 from rung.runtime.config import (
     CompilationConfig,
     EngineConfig,
@@ -163,3 +164,18 @@ class LLM:
                     out, outputs=[dataclasses.replace(c, detokenize=decode)
                                   for c in out.outputs])
         return merged
+
+    def chat(self, messages: Conversation | list[Conversation],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of ``{"role", "content"}`` dicts) or a list of them,
+        rendered with the model's chat template (or ``chat_template``); one output each."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or of "
+                             "conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts = [apply_chat_template(self.engine.tokenizer, c, chat_template,
+                                       add_generation_prompt, self.engine.config.model)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
