@@ -54,9 +54,9 @@ def resolve_config(model: str) -> tuple[dict, str | None]:
     if model in PRESETS:
         return dict(PRESETS[model]), None
     if not os.path.isdir(model):
-        names = sorted(PRESETS) + sorted(NAMED_FILES)
-        raise ValueError(f"model {model!r} is neither a built-in model "
-                         f"({', '.join(names)}), a .gguf file nor a local folder")
+        raise ValueError(f"model {model!r} is neither a built-in preset "
+                         f"({', '.join(sorted(PRESETS))}), a named model "
+                         f"({', '.join(sorted(NAMED_FILES))}), a .gguf file nor a local folder")
     path = os.path.join(model, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"model folder {model!r} has no config.json")
