@@ -260,8 +260,9 @@ def generate_report(rank: int | None, args: argparse.Namespace) -> str:
     lines: list[str] = []
     if dp is None or dp["rank"] == 0:
         num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        for out in outputs:
-            shown = repr(out.prompt) if out.prompt is not None else out.prompt_token_ids
+        for prompt, out in zip(prompts, outputs):
+            shown = out.prompt_token_ids if out.prompt is None else repr(
+                prompt if args.chat else out.prompt)   # chat: the user's words, not the template
             for c in out.outputs:
                 lines.append(f"--- {shown} -> ({len(c.token_ids)} tokens, {c.finish_reason})")
                 lines.append(str(c.text if llm.get_tokenizer() is not None else c.token_ids))

@@ -259,3 +259,14 @@ def test_chat_errors():
     out, = llm.chat([{"role": "user", "content": "hi"}],
                     SamplingParams(temperature=0, max_tokens=2), chat_template=CHATML)
     assert out.prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_cli_generate_chat(tmp_path, capsys):
+    from rung.runtime.cli import main
+
+    path = write_gguf(tmp_path / "cli.gguf")
+    rc = main(["generate", "--model", path, "--chat", "--enforce-eager", "--max-tokens", "3",
+               "--ignore-eos", "the"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "--- 'the' -> (3 tokens, length)" in out
