@@ -72,7 +72,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="how the graph pieces are compiled")
     p.add_argument("--attention-backend", default="auto",
                    help="auto, torch, triton or flash_attn")
-    p.add_argument("--speculative-method", default="none", choices=_SPEC_METHODS,
+    p.add_argument("--speculative-method", default="none", choices=_SPEC_METHODS, type=str.lower,
                    help="speculative decoding: mtp (a drafter model, Gemma 4 targets) or "
                         "ngram (prompt lookup)")
     p.add_argument("--speculative-model", default=None,

@@ -106,7 +106,7 @@ def test_bad_input_gets_one_line_each(folders, tmp_path):
          "rc": 2, "err": r"--speculative-method none for no speculation"},
         {"argv": _gen("--speculative-method", "ngram", "--num-speculative-tokens", "100"),
          "rc": 2, "err": r"num_speculative_tokens=100 must be an integer from 1 to 16"},
-        {"argv": _gen("--speculative-method", "none", "hi"), "rc": 0},
+        {"argv": _gen("--speculative-method", "None", "hi"), "rc": 0},
         {"argv": _gen("--num-speculative-tokens", "0", "hi"), "rc": 0},
         {"argv": _gen("--speculative-model", "tiny-gemma4-mtp"), "rc": 2,
          "err": r"requires a Gemma 4 target; model 'tiny-llama' is 'llama'"},
