@@ -224,7 +224,16 @@ def _check_prompts(args: argparse.Namespace, prompts: list[str | dict]) -> None:
                              f"[0, {cfg['vocab_size']})")
 
 
+def _sampling_params(args: argparse.Namespace) -> Any:
+    from rung.runtime.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens, seed=args.sampling_seed,
+                          ignore_eos=args.ignore_eos, n=args.n, stop=args.stop)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    _sampling_params(args)            # NOTE: bad options fail here, before any rank starts
     _check_prompts(args, _prompts(args))
     if args.data_parallel_size > 1 and "RANK" not in os.environ:
         from rung.runtime.data_parallel import spawn_ranks
@@ -240,11 +249,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def generate_report(rank: int | None, args: argparse.Namespace) -> str:
     """What `rung generate` prints. Under data parallel (``rank``: spawned rank, or None
     under torchrun) rank 0 prints the outputs and every rank its padding line."""
-    from rung.runtime.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.sampling_seed,
-                            ignore_eos=args.ignore_eos, n=args.n, stop=args.stop)
+    params = _sampling_params(args)
     llm = build_llm(args)
     start = time.perf_counter()
     prompts = _prompts(args)
