@@ -88,6 +88,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "one of them under torchrun")
     p.add_argument("--data-parallel-timeout-s", type=float, default=120.0,
                    help="a collective waiting longer fails the rank (a dead peer)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="recompute every prompt (automatic prefix caching is on by default)")
 
 
 def _speculative_config(args: argparse.Namespace) -> dict | None:
@@ -134,7 +136,8 @@ def build_llm(args: argparse.Namespace, capture_progress: Callable | None = None
                speculative_config=_speculative_config(args), load_format=args.load_format,
                debug_padding=args.debug_padding or None, capture_progress=capture_progress,
                data_parallel_size=args.data_parallel_size,
-               data_parallel_timeout_s=args.data_parallel_timeout_s)
+               data_parallel_timeout_s=args.data_parallel_timeout_s,
+               enable_prefix_caching=not args.no_prefix_caching)
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -339,6 +342,9 @@ def _add_bench(sub: Any) -> None:
     from rung.bench.latency import add_latency_args
 
     add_latency_args(latency)
+    from rung.bench.prefix import add_prefix_args
+
+    add_prefix_args(latency)
     latency.set_defaults(func=cmd_bench)
 
 
@@ -347,6 +353,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("--baseline hf needs transformers: pip install 'rung[test]'")
     check_output_path(args.json, "--json")
     check_output_path(args.plot, "--plot")
+    if getattr(args, "shared_prefix", None) is not None:
+        from rung.bench.prefix import run_shared_prefix
+
+        return run_shared_prefix(args)
     if args.data_parallel_size > 1:
         from rung.bench.dp_latency import run_dp_latency
 

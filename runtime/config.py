@@ -140,6 +140,7 @@ class EngineConfig:
     load_format: str = "auto"
     data_parallel_size: int = 1
     data_parallel_timeout_s: float = 120.0    # a collective waiting longer fails the rank
+    enable_prefix_caching: bool = True
     debug_padding: bool = dataclasses.field(
         default_factory=lambda: os.environ.get("RUNG_DEBUG_PADDING", "0") == "1")
 

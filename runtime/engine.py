@@ -55,7 +55,8 @@ class LLMEngine:
                              f"max_position_embeddings={model_max}")
         self.runner = ModelRunner(config, self.loaded, self.max_model_len)
         self._log_setup()
-        self.kv = KVCacheManager(self.runner.kv_groups, self.runner.num_blocks)
+        self.kv = KVCacheManager(self.runner.kv_groups, self.runner.num_blocks,
+                                 config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
@@ -287,6 +288,7 @@ class LLMEngine:
             num_accepted = max(len(new) - 1, 0) if s.num_spec_tokens else 0
             req.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens + num_accepted
             req.spec_token_ids = []
+            self.kv.advance(req)      # hash blocks now full, free blocks out of the window
             if s.num_spec_tokens and new:
                 self.spec_stats.record(s.num_spec_tokens, num_accepted)
             if new:
@@ -407,6 +409,7 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         s = {"kv_free_blocks": self.kv.num_free_blocks,
              "kv_total_blocks": self.kv.num_total_blocks,
+             **self._kv_stats(),
              "eager_steps": self._stats["eager_steps"],
              "graphs_captured": (len(self.runner.graphs.records)
                                  if self.runner.graphs is not None else 0),
@@ -420,6 +423,23 @@ class LLMEngine:
             s["data_parallel"] = {"rank": self.dp.rank, "world_size": self.dp.world_size,
                                   **self.dp.stats.as_dict()}
         return s
+
+    def _kv_stats(self) -> dict[str, Any]:
+        """Cached-free blocks are among the free ones (they are evictable), so
+        kv_free_blocks + kv_used_blocks == kv_total_blocks."""
+        kv, prefix = self.kv, self.kv.prefix_stats
+        held = [0] * len(kv.groups)
+        for rid in kv.req_blocks:
+            held = [a + b for a, b in zip(held, kv.blocks_held(rid))]
+        return {"kv_cached_free_blocks": kv.num_cached_free_blocks,
+                "kv_used_blocks": kv.num_used_blocks,
+                "kv_blocks_held_per_group": held,
+                "prefix_cache": {"enabled": kv.enable_prefix_caching,
+                                 "queries": prefix.num_requests,
+                                 "query_tokens": prefix.num_query_tokens,
+                                 "hit_tokens": prefix.num_hit_tokens,
+                                 "hit_rate": prefix.hit_rate,
+                                 "evicted_blocks": sum(p.num_evicted for p in kv.pools)}}
 
 
 def _short(sizes: list[int]) -> str:

@@ -136,8 +136,12 @@ class InputBatch:
             req = s.request
             # NOTE: the arrival index never repeats (a request id may be reused once its
             # request finished); a preempted request gets new blocks, so its preemption
-            # count is part of the key; pad() clears the keys of rows it overwrites.
-            key = (req.arrival, req.num_preemptions, len(req_blocks[0]))
+            # count is part of the key; the KV cache manager also gives a request's block
+            # lists a new version whenever an entry changes without the count changing
+            # (sliding-window blocks freed to the null block). pad() clears the keys of
+            # rows it overwrites.
+            key = (req.arrival, req.num_preemptions, len(req_blocks[0]),
+                   getattr(req_blocks, "version", None))
             if keys[i] == key:
                 continue
             for table, blocks in zip(tables, req_blocks):

@@ -34,7 +34,7 @@ class LLM:
                  attention_backend: str = "auto",
                  speculative_config: dict[str, Any] | None = None,
                  load_format: str = "auto", num_gpu_blocks_override: int | None = None,
-                 debug_padding: bool | None = None,
+                 debug_padding: bool | None = None, enable_prefix_caching: bool = True,
                  capture_progress: Callable | None = None,
                  data_parallel_size: int = 1,
                  data_parallel_routing: str = "round_robin",
@@ -62,7 +62,8 @@ class LLM:
             attention_backend=attention_backend,
             speculative=SpeculativeConfig.from_dict(speculative_config),
             load_format=load_format, data_parallel_size=data_parallel_size,
-            data_parallel_timeout_s=data_parallel_timeout_s)
+            data_parallel_timeout_s=data_parallel_timeout_s,
+            enable_prefix_caching=enable_prefix_caching)
         if debug_padding is not None:
             config.debug_padding = debug_padding
         self.engine = LLMEngine(config, capture_progress)

@@ -28,6 +28,7 @@ class Request:
         self.token_ids: list[int] = list(prompt_token_ids)   # prompt + output
         self.num_computed_tokens = 0        # tokens whose KV is in the cache
         self.spec_token_ids: list[int] = []  # drafts to verify next step
+        self.block_hashes: list[bytes] = []  # chained hashes of full blocks (prefix caching)
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -76,8 +76,11 @@ class Scheduler:
             budget += num_spec - s.num_spec_tokens      # drafts that did not fit
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            req.num_computed_tokens = self.kv.take_cached_prefix(req)   # prefix-cache hit
             num_new = self._num_new_tokens(req, budget)
             if not self.kv.allocate(req.request_id, req.num_computed_tokens + num_new):
+                self.kv.free(req.request_id)           # gives a hit back; it stays cached
+                req.num_computed_tokens = 0
                 if not self.running:       # alone and still too big: it can never run
                     self.waiting.popleft()
                     out.errored.append(req)

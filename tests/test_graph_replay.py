@@ -7,6 +7,7 @@ are written, and pad input rows are garbage at every replay.
 import logging
 
 import pytest
+import torch
 
 from rung.core.graph_mode import GraphSupport
 from rung.kernels.selector import register_backend
@@ -14,6 +15,7 @@ from rung.kernels.torch_backend import TorchBackend
 from rung.runtime import LLM, SamplingParams
 from rung.runtime.cli import main as cli_main
 from rung.runtime.input_batch import InputBatch
+from rung.runtime.kv_cache_manager import NULL_BLOCK
 from rung.runtime.verify import guard_kv, verify_engine
 
 SIZES = [1, 2, 4, 8]
@@ -129,3 +131,69 @@ def test_full_with_a_backend_that_cannot_capture_downgrades(caplog, eager_llm):
 def test_warmup_bad_input(args, code, message, capsys):
     assert cli_main(["warmup", "--model", "tiny-llama", *args]) == code
     assert message in capsys.readouterr().err
+
+
+def guard_shared_blocks(engine):
+    """Fail if a step writes into a cached (hashed, shareable) block, or if a real row's
+    block table differs from the request's blocks (freed sliding entries -> null block)."""
+    runner, kv = engine.runner, engine.kv
+    execute = runner.execute
+    seen = {"rows_with_freed_blocks": 0}
+
+    def checked(sched, block_ids):
+        cached = [[b for b in range(1, p.num_blocks) if p.block_hash[b] is not None]
+                  for p in kv.pools]
+        before = {name: runner.kv_caches[name][:, cached[g]].clone()
+                  for g, group in enumerate(runner.kv_groups) for name in group.layer_names}
+        out = execute(sched, block_ids)
+        for g, group in enumerate(runner.kv_groups):
+            table = runner.input_batch.block_tables[g].np
+            for row, blocks in enumerate(block_ids):
+                assert table[row, :len(blocks[g])].tolist() == list(blocks[g])
+                seen["rows_with_freed_blocks"] += NULL_BLOCK in blocks[g]
+            for name in group.layer_names:
+                after = runner.kv_caches[name][:, cached[g]]
+                assert torch.equal(after, before[name]), f"{name}: a cached block was written"
+        return out
+
+    runner.execute = checked
+    return seen
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma4"])
+def test_prefix_hits_evictions_and_freed_sliding_blocks_replay_like_eager(model):
+    """Hits, partial hits (sliding groups serve only their window), evictions (a small
+    pool) and sliding blocks freed mid-request, under FULL and PIECEWISE replays with
+    poisoned pads: tokens equal an eager engine that caches nothing."""
+    system = [3 + (7 * j) % 500 for j in range(48)]
+    prompts = [system[:(16, 32, 48, 40)[i % 4]] + [5 + (13 * i + j) % 400
+                                                    for j in range(1 + (3 * i) % 7)]
+               for i in range(12)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + (5 * i) % 30, ignore_eos=True)
+              for i in range(12)]
+
+    def run(llm):
+        engine, done, step = llm.engine, {}, 0
+        pending = list(enumerate(prompts))
+        while pending or engine.has_unfinished_requests():
+            while pending and pending[0][0] <= step // 2:      # one arrival every 2 steps
+                i, prompt = pending.pop(0)
+                engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, params[i])
+            done.update({o.request_id: o.outputs[0].token_ids
+                         for o in engine.step() if o.finished})
+            step += 1
+        engine.kv.check_consistency()
+        return done
+
+    want = run(LLM(model, enforce_eager=True, enable_prefix_caching=False, **ENGINE))
+    llm = LLM(model, num_gpu_blocks_override=16, **ENGINE,
+              compilation_config={"cudagraph_mode": "full_and_piecewise",
+                                  "cudagraph_capture_sizes": SIZES})
+    guard_kv(llm.engine.runner)
+    seen = guard_shared_blocks(llm.engine)
+    assert run(llm) == want
+    assert (seen["rows_with_freed_blocks"] > 0) == (model == "tiny-gemma4")
+    stats = llm.engine.stats()
+    assert stats["prefix_cache"]["hit_tokens"] > 0 and stats["prefix_cache"]["evicted_blocks"]
+    assert any(k.startswith("FULL:") for k in stats["graph_replays"])
+    assert any(k.startswith("PIECEWISE:") for k in stats["graph_replays"])
