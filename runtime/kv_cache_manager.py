@@ -260,13 +260,12 @@ class KVCacheManager:
         if blocks is None:
             blocks = self._new_blocks(request_id)
         extra = -(-num_tokens // self.block_size) - len(blocks[0])
-        if extra <= 0:          # the common decode step: the last block has room
-            return True
-        if any(pool.num_free < extra for pool in self.pools):
-            return False
-        for pool, group_blocks in zip(self.pools, blocks):
-            group_blocks.extend(pool.allocate(extra))
-        blocks.version = next(self._versions)
+        if extra > 0:           # else the common decode step: the last block has room
+            if any(pool.num_free < extra for pool in self.pools):
+                return False
+            for pool, group_blocks in zip(self.pools, blocks):
+                group_blocks.extend(pool.allocate(extra))
+            blocks.version = next(self._versions)
         if self._pending_query:
             self._record_query(request_id)
         return True
