@@ -1,7 +1,7 @@
 """``SamplingParams.n > 1``: one child request per sample, gathered into one RequestOutput.
 
-NOTE: each child runs its own prefill of the shared prompt; with prefix caching the
-children's prompt blocks are shared instead of recomputed.
+NOTE: each child runs its own prefill of the shared prompt (the children are scheduled
+together, so they share no KV blocks); sharing the prompt's blocks is left to prefix caching.
 """
 
 from __future__ import annotations
