@@ -77,14 +77,17 @@ def decode_engine(num_reqs: int) -> LLMEngine:
                       runner.vocab_size)
     runner.model = stub
     sizes = capture_sizes(None, max_num_seqs, 0, engine.config.max_num_batched_tokens)
-    runner.graphs = _DispatchOnly(Dispatcher(CUDAGraphMode.FULL_DECODE_ONLY, sizes,
-                                             max_num_seqs), stub)
+    runner.use_graphs(_DispatchOnly(Dispatcher(CUDAGraphMode.FULL_DECODE_ONLY, sizes,
+                                               max_num_seqs), stub))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_MODEL_LEN, ignore_eos=True)
     for i in range(num_reqs):
         engine.add_request(f"r{i}", {"prompt_token_ids": [3 + i % 100] * PROMPT_LEN}, params)
+    descs = []
+    remove_listener = engine.add_step_listener(lambda result: descs.append(result.desc))
     engine.step()                                    # prefill: every prompt in one step
     engine.step()                                    # first decode step
-    assert engine.runner.last_desc.uniform_query_len == 1, "not in decode steady state"
+    remove_listener()
+    assert descs[-1].uniform_query_len == 1, "not in decode steady state"
     return engine
 
 
@@ -115,6 +118,9 @@ def test_host_prepare(benchmark, engine):
 
 def test_host_engine_step(benchmark, engine):
     num_reqs = len(engine.scheduler.running)
+    descs = []
+    remove_listener = engine.add_step_listener(lambda result: descs.append(result.desc))
     outputs = benchmark.pedantic(engine.step, rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS)
+    remove_listener()
     assert len(outputs) == num_reqs
-    assert engine.runner.last_desc.uniform_query_len == 1
+    assert descs[-1].uniform_query_len == 1

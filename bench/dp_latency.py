@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from rung.bench.latency import _engine_namespace, make_plan
 from rung.bench.stats import percentiles_ms
 from rung.runtime.data_parallel import DPStats, route_requests, spawn_ranks
+from rung.runtime.llm import LLM
 from rung.runtime.sampling_params import SamplingParams
 
 _COLUMNS = ("mode", "num_reqs", "rank", "rank_num_reqs", "steps", "dummy_steps",
@@ -40,10 +41,10 @@ def _round(llm: Any, prompts: list[list[int]], output_len: int, tag: str) -> lis
     return steps[:-1]             # the last step only found every rank idle
 
 
-def bench_rank(rank: int | None, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One rank's records, one per (mode, request count)."""
-    from rung.runtime.cli import build_llm
-
+def bench_rank(rank: int | None, args: argparse.Namespace,
+               build_llm: Callable[..., LLM]) -> list[dict[str, Any]]:
+    """One rank's records, one per (mode, request count). ``build_llm(args)``: the CLI's
+    engine builder (bench sits below the CLI)."""
     plan = make_plan(args)
     records = []
     for label in plan.modes:
@@ -77,12 +78,12 @@ def format_dp_table(records: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
 
 
-def run_dp_latency(args: argparse.Namespace) -> int:
+def run_dp_latency(args: argparse.Namespace, build_llm: Callable[..., LLM]) -> int:
     if "RANK" in os.environ:          # under torchrun: this process is one rank
-        records = bench_rank(None, args)
+        records = bench_rank(None, args, build_llm)
         print(format_dp_table(records))
         return 0
-    per_rank = spawn_ranks(bench_rank, args.data_parallel_size, (args,),
+    per_rank = spawn_ranks(bench_rank, args.data_parallel_size, (args, build_llm),
                            timeout_s=args.data_parallel_timeout_s * 30)
     print(f"model {args.model}: data parallel {args.data_parallel_size} ranks, input "
           f"{args.input_len}, output {args.output_len}; padding_waste = share of the "

@@ -10,13 +10,13 @@ and the prefill (time to the first stamp) is kept out of them.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 
 import torch
 from torch import nn
 
 from rung.bench.stats import sync
+from rung.models.layers import STACKED_PARAMS
 
 
 @dataclasses.dataclass
@@ -52,7 +52,7 @@ def hf_model_from_rung(model: nn.Module, config: dict) -> nn.Module:
 
 
 def _split_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    stacked = _stacked_names(model)
+    stacked = _stacked_names()
     state: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         module_path, _, leaf = name.rpartition(".")
@@ -66,11 +66,10 @@ def _split_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def _stacked_names(model: nn.Module) -> dict[str, list[str]]:
-    """fused module name -> HF shard names in shard order, from the model's STACKED table."""
-    table = getattr(sys.modules[type(model).__module__], "STACKED", [])
+def _stacked_names() -> dict[str, list[str]]:
+    """fused module name -> HF shard names in shard order (every rung model fuses alike)."""
     out: dict[str, list[str]] = {}
-    for fused, shard, _ in sorted(table, key=lambda t: (t[0], t[2])):
+    for fused, shard, _ in sorted(STACKED_PARAMS, key=lambda t: (t[0], t[2])):
         out.setdefault(fused, []).append(shard)
     return out
 

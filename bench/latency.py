@@ -17,7 +17,7 @@ import importlib.util
 import json
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm import tqdm
@@ -25,8 +25,10 @@ from tqdm import tqdm
 from rung.bench.floor import MatmulFloor
 from rung.bench.report import environment, format_table, loadavg, plot_latency
 from rung.bench.stats import percentiles_ms
+from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.graph_mode import CUDAGraphMode
 from rung.runtime.engine import LLMEngine
+from rung.runtime.llm import LLM
 from rung.runtime.sampling_params import SamplingParams
 
 # --modes name -> cudagraph_mode policy (None: enforce_eager).
@@ -171,13 +173,15 @@ def rung_round(engine: LLMEngine, prompts: list[list[int]], output_len: int,
     ids = _add_round(engine, prompts, output_len, tag)
     num_reqs, started, done = len(ids), set(), {}
     rnd = RungRound(0.0, [], [], None, [])
+    descs: list[BatchExecutionDescriptor] = []           # one per executed step
+    remove_listener = engine.add_step_listener(lambda result: descs.append(result.desc))
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         all_started = len(started) == num_reqs
         t0 = time.perf_counter()
         outputs = engine.step()
         elapsed = time.perf_counter() - t0
-        desc = engine.runner.last_desc
+        desc = descs[-1]
         decode_len = 1 + engine.config.num_spec_tokens      # 1 + k under spec decode
         if all_started and desc.num_reqs == num_reqs and desc.uniform_query_len == decode_len:
             rnd.step_s.append(elapsed)
@@ -190,6 +194,7 @@ def rung_round(engine: LLMEngine, prompts: list[list[int]], output_len: int,
                 done[out.request_id] = out.outputs[0].token_ids
         if not all_started and len(started) == num_reqs:
             rnd.ttft_s = time.perf_counter() - start
+    remove_listener()
     rnd.token_ids = [done[rid] for rid in ids]
     return rnd
 
@@ -310,9 +315,8 @@ def _add_ratios(record: dict[str, Any]) -> None:
 class _Run:
     """State of one harness run: records, tokens per request count, the progress bar."""
 
-    def __init__(self, args: argparse.Namespace, plan: LatencyPlan) -> None:
-        from rung.runtime.cli import build_llm
-
+    def __init__(self, args: argparse.Namespace, plan: LatencyPlan,
+                 build_llm: Callable[..., LLM]) -> None:
         self.args, self.plan, self.build_llm = args, plan, build_llm
         self.records: list[dict[str, Any]] = []
         self.modes: list[dict[str, Any]] = []
@@ -360,12 +364,13 @@ class _Run:
         return hf_model_from_rung(self.model, self.config)
 
 
-def run_latency(args: argparse.Namespace) -> int:
+def run_latency(args: argparse.Namespace, build_llm: Callable[..., LLM]) -> int:
+    """``build_llm(args)``: the CLI's engine builder (bench sits below the CLI)."""
     plan = make_plan(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     env = environment(args)
-    run = _Run(args, plan)
+    run = _Run(args, plan, build_llm)
     baselines: dict[int, dict[str, Any]] = {n: {} for n in plan.num_reqs_list}
     try:
         for label in plan.modes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from rung.core.errors import ContractError
 from rung.core.graph_mode import CUDAGraphMode
 
 
@@ -24,22 +25,25 @@ class BatchExecutionDescriptor:
     num_tokens_across_dp: tuple[int, ...] | None = None  # per-rank padded tokens (DP only)
 
     def __post_init__(self) -> None:
-        assert self.mode in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL), (
-            f"runtime mode must be NONE, PIECEWISE or FULL, got {self.mode}")
-        assert 0 <= self.num_reqs <= self.num_reqs_padded, (
-            f"num_reqs {self.num_reqs} > num_reqs_padded {self.num_reqs_padded}")
-        assert 0 <= self.num_tokens <= self.num_tokens_padded, (
-            f"num_tokens {self.num_tokens} > num_tokens_padded {self.num_tokens_padded}")
-        assert self.num_reqs <= self.num_tokens or self.num_tokens == 0, (
-            f"{self.num_reqs} requests cannot share {self.num_tokens} tokens")
+        if self.mode not in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
+            raise ContractError(f"runtime mode must be NONE, PIECEWISE or FULL, got {self.mode}")
+        if not 0 <= self.num_reqs <= self.num_reqs_padded:
+            raise ContractError(f"num_reqs {self.num_reqs} > num_reqs_padded "
+                                f"{self.num_reqs_padded}")
+        if not 0 <= self.num_tokens <= self.num_tokens_padded:
+            raise ContractError(f"num_tokens {self.num_tokens} > num_tokens_padded "
+                                f"{self.num_tokens_padded}")
+        if self.num_reqs > self.num_tokens and self.num_tokens != 0:
+            raise ContractError(f"{self.num_reqs} requests cannot share {self.num_tokens} tokens")
         if self.mode == CUDAGraphMode.NONE:
-            assert self.num_reqs_padded == self.num_reqs, "NONE never pads requests"
-            assert (self.num_tokens_padded == self.num_tokens
-                    or self.num_tokens_across_dp is not None), "NONE pads tokens only for DP"
-        if self.uniform_query_len is not None:
-            assert self.num_tokens == self.num_reqs * self.uniform_query_len, (
-                f"uniform query len {self.uniform_query_len} x {self.num_reqs} requests "
-                f"!= {self.num_tokens} tokens")
+            if self.num_reqs_padded != self.num_reqs:
+                raise ContractError("NONE never pads requests")
+            if self.num_tokens_padded != self.num_tokens and self.num_tokens_across_dp is None:
+                raise ContractError("NONE pads tokens only for DP")
+        if (self.uniform_query_len is not None
+                and self.num_tokens != self.num_reqs * self.uniform_query_len):
+            raise ContractError(f"uniform query len {self.uniform_query_len} x {self.num_reqs} "
+                                f"requests != {self.num_tokens} tokens")
 
     @classmethod
     def eager(cls, num_reqs: int, num_tokens: int, uniform_query_len: int | None = None,

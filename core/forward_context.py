@@ -7,14 +7,17 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from rung.core.descriptor import BatchExecutionDescriptor
+from rung.core.errors import ContractError
 
 
 @dataclasses.dataclass
 class ForwardContext:
     desc: BatchExecutionDescriptor
     attn_metadata: dict[str, Any]     # layer name -> metadata of its attention group
-    layers: dict[str, Any]            # layer name -> bound Attention module
+    layers: dict[str, torch.nn.Module]   # layer name -> bound Attention module
 
 
 _current: ForwardContext | None = None
@@ -31,7 +34,8 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
 
 
 def get_forward_context() -> ForwardContext:
-    assert _current is not None, "attention called outside `with forward_context(...)`"
+    if _current is None:
+        raise ContractError("attention called outside `with forward_context(...)`")
     return _current
 
 

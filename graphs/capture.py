@@ -7,6 +7,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from rung.core.errors import ContractError
+
 Outputs = torch.Tensor | tuple
 
 
@@ -22,9 +24,10 @@ class CapturedGraph:
 
     def check_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
         got = [_identity(t) for t in inputs]
-        assert got == self.input_ptrs, (
-            "graph replay with inputs at other addresses or shapes than at capture: "
-            f"{[i for i, (a, b) in enumerate(zip(got, self.input_ptrs)) if a != b]}")
+        if got != self.input_ptrs:
+            raise ContractError(
+                "graph replay with inputs at other addresses or shapes than at capture: "
+                f"{[i for i, (a, b) in enumerate(zip(got, self.input_ptrs)) if a != b]}")
 
     def replay(self, inputs: Sequence[torch.Tensor]) -> Outputs:
         raise NotImplementedError

@@ -6,7 +6,7 @@ attention runs eagerly between them and reads the forward context.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import fx, nn
@@ -14,6 +14,10 @@ from torch.fx.passes.split_module import split_module
 
 from rung.core.forward_context import current_descriptor
 from rung.core.graph_mode import CUDAGraphMode
+
+if TYPE_CHECKING:
+    from rung.graphs.capture import CapturedGraph
+    from rung.graphs.manager import GraphManager
 
 _ATTENTION_TARGETS = ("rung.unified_attention", "rung::unified_attention")
 
@@ -45,12 +49,12 @@ class PiecewiseRunner(nn.Module):
     """One non-attention piece: replays its graph for PIECEWISE batches of a captured size,
     runs directly otherwise (NONE batches, and inside FULL captures)."""
 
-    def __init__(self, fn: Callable[..., Any], index: int, manager: Any) -> None:
+    def __init__(self, fn: Callable[..., Any], index: int, manager: GraphManager) -> None:
         super().__init__()
         self.fn = fn
         self.index = index
         self.manager = manager
-        self.graphs: dict[int, Any] = {}
+        self.graphs: dict[int, CapturedGraph] = {}     # num_tokens_padded -> graph
 
     def forward(self, *args: Any) -> Any:
         desc = current_descriptor()
@@ -69,7 +73,7 @@ class PiecewiseRunner(nn.Module):
 class PiecewiseBackend:
     """The callable handed to torch.compile(backend=...)."""
 
-    def __init__(self, manager: Any, piece_compiler: str) -> None:
+    def __init__(self, manager: GraphManager, piece_compiler: str) -> None:
         self.manager = manager
         self.piece_compiler = piece_compiler
         self.num_pieces = 0
@@ -90,7 +94,8 @@ class PiecewiseBackend:
         return module
 
 
-def compile_model(model: nn.Module, manager: Any, piece_compiler: str) -> Callable[..., Any]:
+def compile_model(model: nn.Module, manager: GraphManager, piece_compiler: str
+                  ) -> Callable[..., Any]:
     """model.forward(input_ids, positions) compiled with rung's piecewise backend."""
     backend = PiecewiseBackend(manager, piece_compiler)
     # NOTE: unspecialized Python floats (norm eps, scales) would become fresh 0-d tensors

@@ -8,7 +8,7 @@ import logging
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.graph_mode import CUDAGraphMode, GraphSupport
 
-logger = logging.getLogger("rung.graphs")
+logger = logging.getLogger(__name__)
 
 
 def downgrade(mode: CUDAGraphMode, support: GraphSupport, backend_name: str) -> CUDAGraphMode:

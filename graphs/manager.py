@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable
+from typing import Callable, Protocol, Sequence
 
 import torch
+from torch import nn
 
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.forward_context import (
@@ -16,52 +17,68 @@ from rung.core.forward_context import (
     get_forward_context,
 )
 from rung.core.graph_mode import CUDAGraphMode
-from rung.graphs.capture import CapturedGraph, make_capture_backend
+from rung.graphs.capture import CapturedGraph, Outputs, make_capture_backend
 from rung.graphs.compiler import compile_model
 from rung.graphs.dispatcher import Dispatcher, downgrade
-from rung.graphs.ladder import capture_sizes
+from rung.kernels.backend import AttentionBackend
+
+# (descriptor of the replay, generator) -> garbage into the pad input rows of one batch
+PadPoisoner = Callable[[BatchExecutionDescriptor, torch.Generator], None]
+TARGET = "target"            # the target model's graphs; a drafter's go by its own name
+
+
+class GraphRunner(Protocol):
+    """What a GraphManager needs of the model runner it captures for (runtime's
+    ModelRunner); the graph machinery sees the model only as an ``nn.Module``."""
+
+    model: nn.Module
+    backend: type[AttentionBackend]
+    device: torch.device
+    max_num_reqs: int
+
+    def dummy_batch(self, desc: BatchExecutionDescriptor
+                    ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        """Inputs of a capture batch of ``desc``: every row a pad."""
+
+    def poison_pads(self, desc: BatchExecutionDescriptor, generator: torch.Generator) -> None:
+        """Garbage into the pad rows of the target's input buffers."""
 
 
 @dataclasses.dataclass
 class CaptureRecord:
-    mode: str
+    mode: str                     # PIECEWISE, FULL, or DRAFT_FULL for a drafter's graph
     num_tokens_padded: int
     num_reqs_padded: int
     seconds: float
     nbytes: int
     num_kernel_nodes: int | None
+    graph: str = TARGET           # whose graph: TARGET, or the drafter's name
 
 
 class GraphManager:
-    def __init__(self, runner: Any, mode: CUDAGraphMode, sizes: list[int],
+    def __init__(self, runner: GraphRunner, mode: CUDAGraphMode, sizes: list[int],
                  decode_query_len: int, piece_compiler: str, graph_backend: str,
                  poison: bool) -> None:
         self.runner = runner
         mode = downgrade(mode, runner.backend.graph_support, runner.backend.name)
-        self.dispatcher = Dispatcher(mode, sizes, runner.input_batch.max_num_reqs,
-                                     decode_query_len)
+        self.dispatcher = Dispatcher(mode, sizes, runner.max_num_reqs, decode_query_len)
         self._poison_gen = torch.Generator().manual_seed(1234)
         self.capture_backend = make_capture_backend(graph_backend, runner.device,
                                                     self._poison_pads if poison else None)
         self.compiled = (compile_model(runner.model, self, piece_compiler)
                          if mode.has_piecewise() else None)
-        self.full_graphs: dict[tuple[int, int], CapturedGraph] = {}
+        # (TARGET or a drafter's name, num_tokens_padded, num_reqs_padded) -> FULL graph
+        self.full_graphs: dict[tuple[str, int, int], CapturedGraph] = {}
         self.capturing = False
         self.records: list[CaptureRecord] = []
         self.trace_seconds = 0.0      # one-time torch.compile tracing, not in any record
         self._traced_at: float | None = None
         self._piece_bytes = 0
         self._piece_nodes: int | None = None
-
-    @classmethod
-    def for_runner(cls, runner: Any, config: Any) -> "GraphManager":
-        comp = config.compilation
-        sizes = capture_sizes(comp.cudagraph_capture_sizes, config.max_num_seqs,
-                              config.num_spec_tokens, config.max_num_batched_tokens,
-                              comp.max_cudagraph_capture_size,
-                              short=runner.device.type == "cpu")
-        return cls(runner, comp.cudagraph_mode, sizes, 1 + config.num_spec_tokens,
-                   comp.backend, comp.graph_backend, config.debug_padding)
+        # NOTE: an emulated replay poisons the pads of the batch its graph reads: the
+        # target's input batch, or the draft batch during a drafter's replay.
+        self._poisoners: dict[str, PadPoisoner] = {TARGET: runner.poison_pads}
+        self._replaying = TARGET
 
     @property
     def mode(self) -> CUDAGraphMode:
@@ -106,7 +123,7 @@ class GraphManager:
             else:
                 graph = self.capture_backend.capture(
                     self._full_forward, self._full_inputs(ids, positions, ctx))
-                self.full_graphs[(desc.num_tokens_padded, desc.num_reqs_padded)] = graph
+                self.full_graphs[(TARGET, desc.num_tokens_padded, desc.num_reqs_padded)] = graph
                 nbytes, nodes = graph.nbytes, graph.num_kernel_nodes
         if self._traced_at is not None:
             # NOTE: tracing happens once (or on a recompile); charging it to the graph
@@ -125,7 +142,38 @@ class GraphManager:
         if graph.num_kernel_nodes is not None:
             self._piece_nodes = (self._piece_nodes or 0) + graph.num_kernel_nodes
 
-    def _full_forward(self, ids: torch.Tensor, positions: torch.Tensor, *metadata) -> Any:
+    def capture_graph(self, name: str, desc: BatchExecutionDescriptor,
+                      fn: Callable[..., Outputs], inputs: Sequence[torch.Tensor],
+                      poison: PadPoisoner,
+                      progress: Callable[[CaptureRecord], None] | None = None) -> CaptureRecord:
+        """Capture ``fn(*inputs)`` as the FULL graph ``name`` of ``desc``'s size (a drafter's
+        rounds), in the target's capture backend and memory pool; the caller has entered the
+        forward context. ``poison`` garbles the pad rows of the batch ``inputs`` view."""
+        start = time.perf_counter()
+        self._poisoners[name] = poison
+        with torch.inference_mode():
+            graph = self.capture_backend.capture(fn, inputs)
+        self.full_graphs[(name, desc.num_tokens_padded, desc.num_reqs_padded)] = graph
+        record = CaptureRecord(f"{name.upper()}_FULL", desc.num_tokens_padded,
+                               desc.num_reqs_padded, time.perf_counter() - start,
+                               graph.nbytes, graph.num_kernel_nodes, name)
+        self.records.append(record)
+        if progress is not None:
+            progress(record)
+        return record
+
+    def replay(self, name: str, desc: BatchExecutionDescriptor,
+               inputs: Sequence[torch.Tensor]) -> Outputs:
+        """Replay the FULL graph ``name`` captured for ``desc``'s padded size."""
+        graph = self.full_graphs[(name, desc.num_tokens_padded, desc.num_reqs_padded)]
+        self._replaying = name
+        try:
+            return graph.replay(inputs)
+        finally:
+            self._replaying = TARGET
+
+    def _full_forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                      *metadata: torch.Tensor) -> torch.Tensor:
         # NOTE: metadata tensors are passed only so replay checks their identity; the
         # attention ops read them through the forward context.
         return self._forward_fn(ids, positions)
@@ -148,19 +196,12 @@ class GraphManager:
     def run(self, desc: BatchExecutionDescriptor, ids: torch.Tensor,
             positions: torch.Tensor) -> torch.Tensor:
         if desc.mode == CUDAGraphMode.FULL:
-            graph = self.full_graphs[(desc.num_tokens_padded, desc.num_reqs_padded)]
-            return graph.replay(self._full_inputs(ids, positions, get_forward_context()))
+            return self.replay(TARGET, desc,
+                               self._full_inputs(ids, positions, get_forward_context()))
         return self._forward_fn(ids, positions)
 
     def _poison_pads(self) -> None:
         """Garbage into pad input rows before a replay: real outputs must not change."""
         desc = current_descriptor()
-        if desc is None:
-            return
-        ib, t, t_pad = self.runner.input_batch, desc.num_tokens, desc.num_tokens_padded
-        n = t_pad - t
-        if n:
-            ib.input_ids.gpu[t:t_pad] = torch.randint(0, self.runner.vocab_size, (n,),
-                                                      generator=self._poison_gen)
-            ib.positions.gpu[t:t_pad] = torch.randint(0, self.runner.max_model_len, (n,),
-                                                      generator=self._poison_gen)
+        if desc is not None:
+            self._poisoners[self._replaying](desc, self._poison_gen)

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 from rung.core.attention_metadata import CommonAttentionMetadata
+from rung.core.errors import ContractError
 from rung.core.graph_mode import GraphSupport
 from rung.core.kv_cache_spec import KVCacheSpec
 
@@ -83,14 +84,15 @@ class AttentionBackend:
 
 
 def check_shape_contract(metadata: CommonAttentionMetadata, num_tokens_padded: int) -> None:
-    """The shape contract FlashAttention enforces, asserted by every backend so CPU tests
+    """The shape contract FlashAttention enforces, checked by every backend so CPU tests
     catch failure class 1 ("batch_size must be equal to batch_size_k")."""
-    assert metadata.block_table.shape[0] == metadata.query_start_loc.shape[0] - 1, (
-        f"batch_size must be equal to batch_size_k: block_table has "
-        f"{metadata.block_table.shape[0]} rows, query_start_loc "
-        f"{metadata.query_start_loc.shape[0] - 1}")
-    assert metadata.slot_mapping.shape[0] == num_tokens_padded, (
-        f"slot_mapping {metadata.slot_mapping.shape[0]} != tokens {num_tokens_padded}")
+    if metadata.block_table.shape[0] != metadata.query_start_loc.shape[0] - 1:
+        raise ContractError(f"batch_size must be equal to batch_size_k: block_table has "
+                            f"{metadata.block_table.shape[0]} rows, query_start_loc "
+                            f"{metadata.query_start_loc.shape[0] - 1}")
+    if metadata.slot_mapping.shape[0] != num_tokens_padded:
+        raise ContractError(f"slot_mapping {metadata.slot_mapping.shape[0]} != tokens "
+                            f"{num_tokens_padded}")
 
 
 def kv_cache_shape(spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:

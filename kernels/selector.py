@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
 from rung.kernels.backend import AttentionBackend
 from rung.kernels.torch_backend import TorchBackend
+
+logger = logging.getLogger(__name__)
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {"TORCH": TorchBackend}
 
@@ -26,6 +29,22 @@ def _known() -> dict[str, type[AttentionBackend]]:
     return _BACKENDS
 
 
+def _why_not(backend: type[AttentionBackend] | None, device: torch.device,
+             accepts: Callable[[type[AttentionBackend]], None] | None) -> str | None:
+    """Why ``backend`` cannot run this model on ``device``, or None when it can."""
+    if backend is None:
+        return "not installed"
+    ok, why = backend.is_available(device)
+    if not ok:
+        return why
+    try:
+        if accepts is not None:
+            accepts(backend)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def select_backend(name: str, device: torch.device,
                    accepts: Callable[[type[AttentionBackend]], None] | None = None
                    ) -> type[AttentionBackend]:
@@ -37,15 +56,12 @@ def select_backend(name: str, device: torch.device,
     if key == "AUTO":
         order = ["FLASH_ATTN", "TRITON", "TORCH"] if device.type == "cuda" else ["TORCH"]
         for candidate in order:
-            backend = backends.get(candidate)
-            if backend is None or not backend.is_available(device)[0]:
-                continue
-            try:
-                if accepts is not None:
-                    accepts(backend)
-            except ValueError:
-                continue
-            return backend
+            why_not = _why_not(backends.get(candidate), device, accepts)
+            if why_not is None:
+                logger.info("attention backend: %s (auto on %s)", candidate, device)
+                return backends[candidate]
+            logger.info("attention backend %s skipped: %s", candidate, why_not)
+        logger.info("attention backend: TORCH (auto on %s, the fallback)", device)
         return TorchBackend
     if key not in backends:
         raise ValueError(f"unknown attention_backend {name!r}; expected auto or one of "

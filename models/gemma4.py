@@ -13,12 +13,21 @@ import torch
 from torch import nn
 
 from rung.kernels.attention import Attention
-from rung.models.layers import MergedLinear, RMSNorm, proportional_inv_freq, rope_inv_freq
+from rung.models.layers import (
+    ACTIVATIONS,
+    STACKED_PARAMS,
+    GatedMLP,
+    MergedLinear,
+    RMSNorm,
+    Rope,
+    RotaryEmbedding,
+    decoder_layers,
+    proportional_inv_freq,
+    rope_inv_freq,
+)
 from rung.models.moe import RoutedExperts, dense_routing, ep_all_gather, ep_reduce_scatter
 from rung.models.weights import WeightStream, check_all_loaded, load_named_weights
 
-STACKED = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
-           ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 # HF Gemma4TextConfig defaults for the fields config.json may omit.
@@ -40,8 +49,6 @@ _DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
 _DEFAULT_GLOBAL_HEAD_DIM = 512
 _SLIDING_PATTERN = 6          # HF default: 5 sliding layers, then 1 full
 _LAYER_OVERRIDES = ("head_dim", "num_key_value_heads")   # per_layer_config keys rung handles
-_ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
-                "gelu": nn.functional.gelu, "silu": nn.functional.silu}
 # Multimodal folders: language model under this prefix; towers and their embedders skipped.
 _LM_PREFIX = "model.language_model."
 _MULTIMODAL_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
@@ -88,13 +95,13 @@ def check_supported(cfg: dict) -> None:
     unsupported = {
         "hidden_size_per_layer_input": bool(cfg["hidden_size_per_layer_input"]),
         "use_bidirectional_attention": cfg["use_bidirectional_attention"] == "all",
-        "hidden_activation": cfg["hidden_activation"] not in _ACTIVATIONS,
+        "hidden_activation": cfg["hidden_activation"] not in ACTIVATIONS,
     }
     for field, bad in unsupported.items():
         if bad:
             raise ValueError(f"Gemma 4 config {field}={cfg[field]!r} is not supported by rung "
                              "(text decoder: no per-layer input embeddings, causal "
-                             f"attention, activations {sorted(_ACTIVATIONS)})")
+                             f"attention, activations {sorted(ACTIVATIONS)})")
     if cfg["enable_moe_block"]:
         _check_moe(cfg)
     shared = cfg["num_kv_shared_layers"]
@@ -210,32 +217,6 @@ def rms_norm_no_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, head_dim] -> neox rotation over the whole head."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
-
-
-class Gemma4Rotary(nn.Module):
-    """cos/sin for one layer type, computed per step from fp32 frequencies as HF does."""
-
-    def __init__(self, inv_freq: torch.Tensor) -> None:
-        super().__init__()
-        # NOTE: kept as int32 bits so model.to(dtype) cannot round the frequencies; HF
-        # computes the angles in fp32 whatever the model dtype.
-        self.register_buffer("inv_freq_bits", inv_freq.float().view(torch.int32),
-                             persistent=False)             # [head_dim // 2]
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, head_dim] in ``dtype``."""
-        inv_freq = self.inv_freq_bits.view(torch.float32)
-        freqs = positions.float()[:, None] * inv_freq[None, :]      # [T, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)                      # [T, head_dim]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
 class Gemma4Attention(nn.Module):
     def __init__(self, cfg: dict, spec: Gemma4LayerSpec, layer_name: str) -> None:
         super().__init__()
@@ -260,13 +241,12 @@ class Gemma4Attention(nn.Module):
                               scale=1.0, sliding_window=spec.sliding_window,
                               kv_sharing_target=target)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        cos, sin = rope
+        rotary, cos, sin = rope
         parts = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
         q = self.q_norm(parts[0].reshape(num_tokens, self.num_heads, self.head_dim))
-        q = apply_rope(q, cos, sin).reshape(num_tokens, -1)
+        q = rotary.rotate(q, cos, sin).reshape(num_tokens, -1)
         if self.reads_shared_kv:
             # NOTE: the backend neither writes nor reads these: this layer's KV comes
             # from the source layer's cache.
@@ -274,22 +254,10 @@ class Gemma4Attention(nn.Module):
             return self.o_proj(self.attn(q, unused, unused))
         k = parts[1].reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = k if self.k_eq_v else parts[2].reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        k = apply_rope(self.k_norm(k), cos, sin)
+        k = rotary.rotate(self.k_norm(k), cos, sin)
         v = rms_norm_no_scale(v, self.eps)
         out = self.attn(q, k.reshape(num_tokens, -1), v.reshape(num_tokens, -1))
         return self.o_proj(out)
-
-
-class Gemma4MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, activation: str) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act = _ACTIVATIONS[activation]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
 
 
 class Gemma4Router(nn.Module):
@@ -340,7 +308,7 @@ class Gemma4DecoderLayer(nn.Module):
         hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
         self.layer_type = spec.layer_type
         self.self_attn = Gemma4Attention(cfg, spec, f"model.layers.{index}.self_attn.attn")
-        self.mlp = Gemma4MLP(hidden, spec.intermediate_size, cfg["hidden_activation"])
+        self.mlp = GatedMLP(hidden, spec.intermediate_size, cfg["hidden_activation"])
         norms = ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                  "post_feedforward_layernorm"]
         self.enable_moe_block = bool(cfg["enable_moe_block"])
@@ -349,15 +317,14 @@ class Gemma4DecoderLayer(nn.Module):
             self.router = Gemma4Router(cfg)
             self.experts = RoutedExperts(cfg["num_experts"], hidden,
                                          cfg["moe_intermediate_size"],
-                                         _ACTIVATIONS[cfg["hidden_activation"]])
+                                         ACTIVATIONS[cfg["hidden_activation"]])
             norms += ["post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
                       "post_feedforward_layernorm_2"]
         for name in norms:
             setattr(self, name, RMSNorm(hidden, eps, cast_before_scale=False))
         self.layer_scalar = nn.Parameter(torch.ones(1))   # HF buffer; scales the layer output
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         attn = self.self_attn(rope, self.input_layernorm(hidden))
         hidden = hidden + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
@@ -381,6 +348,16 @@ class Gemma4Model(nn.Module):
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], cast_before_scale=False)
 
 
+def check_gemma4_loaded(model: nn.Module, loaded: set[str], num_layers: int,
+                        tied: bool) -> None:
+    """Every parameter loaded, but the optional ones: ``layer_scalar`` (HF initialises a
+    missing one to 1, as rung does) and a tied ``lm_head``."""
+    optional = {f"model.layers.{i}.layer_scalar": "" for i in range(num_layers)}
+    if tied:
+        optional["lm_head.weight"] = "model.embed_tokens.weight"
+    check_all_loaded(model, loaded, optional)
+
+
 class Gemma4ForCausalLM(nn.Module):
     text_config = staticmethod(text_config)
 
@@ -391,7 +368,7 @@ class Gemma4ForCausalLM(nn.Module):
         self.config = cfg
         self.specs = layer_specs(cfg)
         self.model = Gemma4Model(cfg, self.specs)
-        self.rotary = nn.ModuleDict({t: Gemma4Rotary(f)
+        self.rotary = nn.ModuleDict({t: RotaryEmbedding(f)
                                      for t, f in rope_inv_freqs(cfg, self.specs).items()})
         self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         self.softcap = cfg["final_logit_softcapping"]
@@ -409,10 +386,8 @@ class Gemma4ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [num_tokens_padded] -> hidden [num_tokens_padded, hidden]."""
         hidden = self.embed_input_ids(input_ids)
-        rope = {t: r(positions, hidden.dtype) for t, r in self.rotary.items()}
-        for layer in self.model.layers:
-            hidden = layer(rope[layer.layer_type], hidden)
-        return self.model.norm(hidden)
+        return decoder_layers(self.model.layers, self.model.norm, self.rotary, hidden,
+                              positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_reqs, hidden] -> logits [num_reqs, vocab] fp32, softcapped."""
@@ -422,13 +397,10 @@ class Gemma4ForCausalLM(nn.Module):
         return logits
 
     def load_weights(self, weights: WeightStream) -> None:
-        loaded = load_named_weights(self, weights, STACKED, rename={_LM_PREFIX: "model."},
+        loaded = load_named_weights(self, weights, STACKED_PARAMS,
+                                    rename={_LM_PREFIX: "model."},
                                     skip_prefixes=_MULTIMODAL_PREFIXES + self._unused_kv_weights())
-        # NOTE: layer_scalar is optional: HF initialises a missing one to 1, as rung does.
-        optional = {f"model.layers.{i}.layer_scalar": "" for i in range(len(self.specs))}
-        if self.tied:
-            optional["lm_head.weight"] = "model.embed_tokens.weight"
-        check_all_loaded(self, loaded, optional)
+        check_gemma4_loaded(self, loaded, len(self.specs), self.tied)
 
     def _unused_kv_weights(self) -> tuple[str, ...]:
         """K/V projections and norms of KV-shared layers, which HF ignores on load."""

@@ -16,16 +16,16 @@ from torch import nn
 
 from rung.kernels.attention import Attention
 from rung.models.gemma4 import (
-    STACKED,
     Gemma4LayerSpec,
     Gemma4Model,
-    Gemma4Rotary,
+    check_gemma4_loaded,
     check_supported,
     layer_specs,
     rope_inv_freqs,
     text_config,
 )
-from rung.models.weights import WeightStream, check_all_loaded, load_named_weights
+from rung.models.layers import STACKED_PARAMS, RotaryEmbedding, decoder_layers
+from rung.models.weights import WeightStream, load_named_weights
 
 # HF Gemma4AssistantConfig defaults for the fields config.json may omit.
 _ASSISTANT_DEFAULTS: dict = {"backbone_hidden_size": 1536, "use_ordered_embeddings": False,
@@ -123,7 +123,7 @@ class Gemma4AssistantModel(nn.Module):
                                         for i, s in enumerate(self.specs)])
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.attn = self._draft_attention(text, self.specs[i], i)
-        self.rotary = nn.ModuleDict({t: Gemma4Rotary(f)
+        self.rotary = nn.ModuleDict({t: RotaryEmbedding(f)
                                      for t, f in rope_inv_freqs(text, self.specs).items()})
         self.pre_projection = nn.Linear(2 * self.backbone_hidden_size, hidden, bias=False)
         self.post_projection = nn.Linear(hidden, self.backbone_hidden_size, bias=False)
@@ -187,14 +187,13 @@ class Gemma4AssistantModel(nn.Module):
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [R] int64, target_hidden [R, backbone], positions [R]
         -> (last_hidden [R, hidden] after the final norm, next target_hidden [R, backbone])."""
-        assert self._target is not None, "call bind_target(target) before running the drafter"
+        if self._target is None:
+            raise RuntimeError("call bind_target(target) before running the drafter")
         embeds = self._target.embed_input_ids(input_ids)                     # [R, backbone]
         # NOTE: the layers start from the projection as is: no sqrt(hidden) scaling.
         hidden = self.pre_projection(torch.cat((embeds, target_hidden), dim=-1))  # [R, hidden]
-        rope = {t: r(positions, hidden.dtype) for t, r in self.rotary.items()}
-        for layer in self.model.layers:
-            hidden = layer(rope[layer.layer_type], hidden)
-        last_hidden = self.model.norm(hidden)                                # [R, hidden]
+        last_hidden = decoder_layers(self.model.layers, self.model.norm, self.rotary, hidden,
+                                     positions)                      # [R, hidden]
         return last_hidden, self.post_projection(last_hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -206,13 +205,10 @@ class Gemma4AssistantModel(nn.Module):
     # --- weights ---------------------------------------------------------------------------
     def load_weights(self, weights: WeightStream) -> None:
         ordering: list[torch.Tensor] = []
-        loaded = load_named_weights(self, _take(weights, _TOKEN_ORDERING, ordering), STACKED,
-                                    skip_prefixes=self._unused_kv_weights())
+        loaded = load_named_weights(self, _take(weights, _TOKEN_ORDERING, ordering),
+                                    STACKED_PARAMS, skip_prefixes=self._unused_kv_weights())
         self._load_token_ordering(ordering)
-        optional = {f"model.layers.{i}.layer_scalar": "" for i in range(len(self.specs))}
-        if self.tied:
-            optional["lm_head.weight"] = "model.embed_tokens.weight"
-        check_all_loaded(self, loaded, optional)
+        check_gemma4_loaded(self, loaded, len(self.specs), self.tied)
 
     def _load_token_ordering(self, ordering: list[torch.Tensor]) -> None:
         if self.masked_embedding is None:

@@ -39,8 +39,9 @@ class MergedLinear(nn.Linear):
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
         start, size = self.shard_offsets[shard], self.shard_sizes[shard]
-        assert loaded.shape[0] == size, (
-            f"shard {shard} has {loaded.shape[0]} rows, expected {size}")
+        if loaded.shape[0] != size:
+            raise ValueError(f"checkpoint shard {shard} of a fused projection has "
+                             f"{loaded.shape[0]} rows, the model expects {size}")
         param.data[start:start + size].copy_(loaded)
 
 
@@ -84,23 +85,40 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary over the first ``rotary_dim`` dims, cos/sin cached per position."""
+    """Neox-style rotary over the first ``rotary_dim = 2 * len(inv_freq)`` dims of a head.
 
-    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor,
-                 attention_scaling: float = 1.0) -> None:
+    With ``max_position``, cos/sin come from a table of that many rows (a gather per
+    forward); without, they are computed per forward from the fp32 frequencies, as HF does
+    (Gemma 4's full layers: a table of 128k positions would take hundreds of MiB). Both
+    give the same values: the angles are fp32 either way.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, max_position: int | None = None) -> None:
         super().__init__()
-        self.head_dim = head_dim
         self.rotary_dim = 2 * inv_freq.shape[0]
-        freqs = torch.outer(torch.arange(max_position).float(), inv_freq)  # [max_pos, rd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                            # [max_pos, rd]
-        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+        # NOTE: kept as int32 bits so model.to(dtype) cannot round the frequencies; HF
+        # computes the angles in fp32 whatever the model dtype.
+        self.register_buffer("inv_freq_bits", inv_freq.float().view(torch.int32),
+                             persistent=False)             # [rotary_dim // 2]
+        cos, sin = (self._angles_cos_sin(torch.arange(max_position))
+                    if max_position is not None else (None, None))
+        self.register_buffer("cos_table", cos, persistent=False)    # [max_pos, 1, rd] or None
+        self.register_buffer("sin_table", sin, persistent=False)    # [max_pos, 1, rd] or None
 
     def cos_sin(self, positions: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, 1, rotary_dim]; gathered once per forward."""
-        return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.sin[positions].unsqueeze(1).to(dtype))
+        """positions [T] -> cos, sin [T, 1, rotary_dim] in ``dtype``; once per forward."""
+        if self.cos_table is not None:
+            return self.cos_table[positions].to(dtype), self.sin_table[positions].to(dtype)
+        cos, sin = self._angles_cos_sin(positions)
+        return cos.to(dtype), sin.to(dtype)
+
+    def _angles_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> fp32 cos, sin [T, 1, rotary_dim]."""
+        inv_freq = self.inv_freq_bits.view(torch.float32)
+        freqs = positions.float()[:, None] * inv_freq[None, :]      # [T, rotary_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]          # [T, 1, rotary_dim]
+        return emb.cos(), emb.sin()
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] rotated by ``cos_sin`` of its positions."""
@@ -110,6 +128,46 @@ class RotaryEmbedding(nn.Module):
         rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
         out = rot * cos + rotated * sin
         return out if rd == x.shape[-1] else torch.cat((out, rest), dim=-1)
+
+
+# (the rotary module, cos, sin [T, 1, rotary_dim]) of one layer type, once per forward
+Rope = tuple[RotaryEmbedding, torch.Tensor, torch.Tensor]
+
+
+def decoder_layers(layers: nn.ModuleList, norm: nn.Module,
+                   rotaries: dict[str, RotaryEmbedding] | nn.ModuleDict, hidden: torch.Tensor,
+                   positions: torch.Tensor) -> torch.Tensor:
+    """The decoder loop every family shares: hidden [T, H] through each layer with the rope
+    of its ``layer_type`` (``rotaries``: layer type -> rotary), then the final norm -> [T, H]."""
+    rope = {t: (r, *r.cos_sin(positions, hidden.dtype)) for t, r in rotaries.items()}
+    for layer in layers:
+        hidden = layer(rope[layer.layer_type], hidden)
+    return norm(hidden)
+
+
+ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+               "gelu": nn.functional.gelu, "silu": nn.functional.silu}
+
+# HF projection -> (rung's fused module, shard index): q/k/v and gate/up load into one matmul
+STACKED_PARAMS = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1),
+                  ("qkv_proj", "v_proj", 2),
+                  ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up in one matmul (Llama, Qwen, Gemma)."""
+
+    def __init__(self, hidden: int, intermediate: int, activation: str) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
+        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = ACTIVATIONS[activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)           # [T, intermediate] each
+        return self.down_proj(self.act(gate) * up)
 
 
 def init_random_weights(model: nn.Module, seed: int) -> None:

@@ -6,14 +6,19 @@ import torch
 from torch import nn
 
 from rung.kernels.attention import Attention
-from rung.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, rope_inv_freq
+from rung.models.layers import (
+    STACKED_PARAMS,
+    GatedMLP,
+    MergedLinear,
+    RMSNorm,
+    Rope,
+    RotaryEmbedding,
+    decoder_layers,
+    rope_inv_freq,
+)
 from rung.models.weights import WeightStream, check_all_loaded, load_named_weights
 
-# (the rotary module, cos, sin [T, 1, rotary_dim]) computed once per forward
-Rope = tuple[RotaryEmbedding, torch.Tensor, torch.Tensor]
-
-STACKED = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
-           ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
+FULL_ATTENTION = "full_attention"      # every Llama layer: one rotary for all
 
 
 def rope_settings(cfg: dict) -> tuple[float, dict | None]:
@@ -53,22 +58,13 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out)
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
-
-
 class LlamaDecoderLayer(nn.Module):
+    layer_type = FULL_ATTENTION
+
     def __init__(self, cfg: dict, index: int, qk_norm: bool) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, f"model.layers.{index}.self_attn.attn", qk_norm)
-        self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"])
+        self.mlp = GatedMLP(cfg["hidden_size"], cfg["intermediate_size"], "silu")
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
@@ -86,8 +82,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         theta, scaling = rope_settings(cfg)
-        self.rotary_emb = RotaryEmbedding(head_dim, cfg["max_position_embeddings"],
-                                          rope_inv_freq(head_dim, theta, scaling))
+        self.rotary_emb = RotaryEmbedding(rope_inv_freq(head_dim, theta, scaling),
+                                          cfg["max_position_embeddings"])
 
 
 class LlamaForCausalLM(nn.Module):
@@ -104,19 +100,16 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [num_tokens_padded] -> hidden [num_tokens_padded, hidden]."""
-        hidden = self.model.embed_tokens(input_ids)
-        rotary = self.model.rotary_emb
-        rope = (rotary, *rotary.cos_sin(positions, hidden.dtype))
-        for layer in self.model.layers:
-            hidden = layer(rope, hidden)
-        return self.model.norm(hidden)
+        hidden = self.model.embed_tokens(input_ids)                   # [T, hidden]
+        return decoder_layers(self.model.layers, self.model.norm,
+                              {FULL_ATTENTION: self.model.rotary_emb}, hidden, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_reqs, hidden] -> logits [num_reqs, vocab] fp32."""
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: WeightStream) -> None:
-        loaded = load_named_weights(self, weights, STACKED)
+        loaded = load_named_weights(self, weights, STACKED_PARAMS)
         check_all_loaded(self, loaded, {"lm_head.weight": "model.embed_tokens.weight"}
                          if self.tied else {})
 

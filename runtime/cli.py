@@ -360,10 +360,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1:
         from rung.bench.dp_latency import run_dp_latency
 
-        return run_dp_latency(args)
+        return run_dp_latency(args, build_llm)
     from rung.bench.latency import run_latency
 
-    return run_latency(args)
+    return run_latency(args, build_llm)
 
 
 # --- entry point -----------------------------------------------------------------------------

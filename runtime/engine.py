@@ -11,7 +11,10 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
+from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.graph_mode import CUDAGraphMode
+from rung.graphs.ladder import capture_sizes
+from rung.graphs.manager import TARGET, CaptureRecord, GraphManager
 from rung.models.loader import LoadedModel, load_model
 from rung.models.moe import shard_experts
 from rung.runtime.config import EngineConfig
@@ -31,8 +34,19 @@ Prompt = str | dict
 logger = logging.getLogger(__name__)
 
 
+def make_graph_manager(runner: ModelRunner, config: EngineConfig) -> GraphManager:
+    """The graph manager of ``config.compilation`` for ``runner`` (nothing captured yet)."""
+    comp = config.compilation
+    sizes = capture_sizes(comp.cudagraph_capture_sizes, config.max_num_seqs,
+                          config.num_spec_tokens, config.max_num_batched_tokens,
+                          comp.max_cudagraph_capture_size, short=runner.device.type == "cpu")
+    return GraphManager(runner, comp.cudagraph_mode, sizes, 1 + config.num_spec_tokens,
+                        comp.backend, comp.graph_backend, config.debug_padding)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, capture_progress: Callable | None = None) -> None:
+    def __init__(self, config: EngineConfig,
+                 capture_progress: Callable[[CaptureRecord], None] | None = None) -> None:
         configure_logging()
         self.config = config
         self.dp: DataParallelGroup | None = None
@@ -62,7 +76,8 @@ class LLMEngine:
         self._arrivals = 0
         self._stats: collections.Counter = collections.Counter()
         self.graph_replays: collections.Counter = collections.Counter()
-        self.proposer = make_proposer(config, self) if config.speculative else None
+        self._step_listeners: list[Callable[[ModelRunnerOutput], None]] = []
+        self.proposer = make_proposer(config, self.runner) if config.speculative else None
         self.spec_stats = SpecStats(config.num_spec_tokens) if config.speculative else None
         if self.dp is not None:
             # NOTE: before capture: capture runs the model's collectives on every rank
@@ -88,11 +103,10 @@ class LLMEngine:
                     "%.1f MiB", runner.backend.name, runner.num_blocks, cfg.block_size,
                     len(runner.kv_groups), kv_bytes / 2**20)
 
-    def _capture_graphs(self, capture_progress: Callable | None) -> None:
-        from rung.graphs.manager import GraphManager
-
-        graphs = GraphManager.for_runner(self.runner, self.config)
-        self.runner.graphs = graphs
+    def _capture_graphs(self, capture_progress: Callable[[CaptureRecord], None] | None
+                        ) -> None:
+        graphs = make_graph_manager(self.runner, self.config)
+        self.runner.use_graphs(graphs)
         total = graphs.num_graphs_to_capture
         sizes = graphs.dispatcher.sizes
         logger.info("cudagraph mode %s, %s graphs: %d capture sizes %s", graphs.mode.name,
@@ -101,22 +115,23 @@ class LLMEngine:
         bar = tqdm(total=total, desc="Capturing graphs", unit="graph", leave=False,
                    file=sys.stderr, disable=total == 0 or not logger.isEnabledFor(logging.INFO))
 
-        def progress(record: Any) -> None:
+        def progress(record: CaptureRecord) -> None:
             bar.update(1)
             if capture_progress is not None:
                 capture_progress(record)
 
         try:
             graphs.capture_all(progress)
-            if hasattr(self.proposer, "capture_all"):
-                self.proposer.capture_all(graphs)
+            if self.proposer is not None:
+                self.proposer.capture_all(graphs, progress)
         finally:
             bar.close()
-        draft = getattr(self.proposer, "records", [])
-        nbytes = sum(r.nbytes for r in graphs.records) + sum(r["nbytes"] for r in draft)
+        draft = [r for r in graphs.records if r.graph != TARGET]
         logger.info("captured %d graphs%s in %.1f s (one-time tracing %.1f s), %.1f MiB",
-                    len(graphs.records), f" + {len(draft)} draft graphs" if draft else "",
-                    time.perf_counter() - start, graphs.trace_seconds, nbytes / 2**20)
+                    len(graphs.records) - len(draft),
+                    f" + {len(draft)} draft graphs" if draft else "",
+                    time.perf_counter() - start, graphs.trace_seconds,
+                    sum(r.nbytes for r in graphs.records) / 2**20)
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
@@ -241,13 +256,20 @@ class LLMEngine:
     def _dummy_step(self, step: DPStep) -> None:
         """No request here while another rank has some: run its sizes on pads only."""
         self.runner.execute_dummy(step.num_tokens_across_dp())
-        if hasattr(self.proposer, "propose_dummy"):
+        if self.proposer is not None:
             self.proposer.propose_dummy(step.num_draft_tokens_across_dp())
+
+    def add_step_listener(self, listener: Callable[[ModelRunnerOutput], None]
+                          ) -> Callable[[], None]:
+        """Call ``listener`` with every step's ModelRunnerOutput (benchmarks, tests); its
+        tensors are views valid until the next step. Returns a function that removes it."""
+        self._step_listeners.append(listener)
+        return lambda: self._step_listeners.remove(listener)
 
     # --- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One step. Under data parallel every rank must call it (the ranks sync); loop
-        until ``all_ranks_idle``."""
+        """One step (`_step`); children of an ``n > 1`` request report as their parent.
+        Under data parallel every rank must call it; loop until ``all_ranks_idle``."""
         outputs = self._step()
         if not self._child_index:
             return outputs
@@ -266,6 +288,8 @@ class LLMEngine:
         return gathered
 
     def _step(self) -> list[RequestOutput]:
+        """schedule -> (data parallel: sync) -> execute (descriptor, metadata, forward,
+        sample) -> update -> draft."""
         sched = self.scheduler.schedule()
         outputs = [self._finish(req, "error", self._never_fits(req)) for req in sched.errored]
         self._stats["preemptions"] += len(sched.preempted)
@@ -279,7 +303,18 @@ class LLMEngine:
             result = self.runner.execute(sched, block_ids)
         else:
             result = self.runner.execute(sched, block_ids, dp_step.num_tokens_across_dp())
-        self._count_step()
+        self._count_step(result.desc)
+        for listener in self._step_listeners:
+            listener(result)
+        outputs += self._update(sched, result)
+        if self.proposer is not None:
+            self._propose(sched, result, dp_step)
+        return outputs
+
+    def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput
+                ) -> list[RequestOutput]:
+        """Advance every scheduled request by the tokens its step produced."""
+        outputs = []
         for s in sched.scheduled:
             req = s.request
             new = result.sampled.get(req.request_id, [])
@@ -293,8 +328,6 @@ class LLMEngine:
                 self.spec_stats.record(s.num_spec_tokens, num_accepted)
             if new:
                 outputs.append(self._append(req, new, result.logprobs.get(req.request_id)))
-        if self.proposer is not None:
-            self._propose(sched, result, dp_step)
         return outputs
 
     def _propose(self, sched: SchedulerOutput, result: ModelRunnerOutput,
@@ -306,7 +339,7 @@ class LLMEngine:
         """
         reqs = [s.request for s in sched.scheduled]
         across = dp_step.num_draft_tokens_across_dp() if dp_step is not None else None
-        drafts = self.proposer.propose(self.runner.last_desc.for_drafting(), reqs, result,
+        drafts = self.proposer.propose(result.desc.for_drafting(), reqs, result,
                                        num_tokens_across_dp=across)
         for req, req_drafts in zip(reqs, drafts):
             if req.is_finished or not result.sampled.get(req.request_id):
@@ -314,8 +347,7 @@ class LLMEngine:
             room = self.max_model_len - req.num_tokens
             req.spec_token_ids = list(req_drafts[:max(room, 0)])
 
-    def _count_step(self) -> None:
-        desc = self.runner.last_desc
+    def _count_step(self, desc: BatchExecutionDescriptor) -> None:
         if desc.mode == CUDAGraphMode.NONE:
             self._stats["eager_steps"] += 1
         else:

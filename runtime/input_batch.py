@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import torch
 
-from rung.core.attention_metadata import CommonAttentionMetadata
+from rung.core.attention_metadata import PAD_SLOT_ID, CommonAttentionMetadata
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.graph_mode import CUDAGraphMode
 from rung.runtime.kv_cache_manager import NULL_BLOCK
@@ -47,7 +47,14 @@ class HostDevicePair:
             self.gpu[:rows].copy_(self._host[:rows], non_blocking=True)
 
 
-class InputBatch:
+class PaddedBatch:
+    """Persistent buffers of a batch, allocated once at the maximum size, and the
+    contract's pad values: the target's InputBatch and the drafter's DraftBatch are both one.
+
+    Rows [num_reqs, num_reqs_padded) and [num_tokens, num_tokens_padded) are pads: `pad()`
+    writes their safe values, `poison()` and `poison_pads()` garble them in debug mode.
+    """
+
     def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int,
                  num_kv_groups: int, block_size: int, device: torch.device) -> None:
         self.max_num_reqs = max_num_reqs
@@ -61,28 +68,84 @@ class InputBatch:
         self.block_tables = [pair((max_num_reqs, max_blocks_per_req), np.int32)
                              for _ in range(num_kv_groups)]       # per group
         self.slot_mappings = [pair((max_num_tokens,), np.int64)
-                              for _ in range(num_kv_groups)]      # per group, -1 for pads
-        self._num_reqs = self._num_tokens = 0
-        self._row_keys: list[tuple | None] = [None] * max_num_reqs
-        self._arange = np.arange(max(max_num_reqs, max_num_tokens))   # read-only
+                              for _ in range(num_kv_groups)]      # per group, PAD_SLOT_ID pads
 
     def poison(self, rng: np.random.Generator, vocab_size: int, num_blocks: int) -> None:
-        """Fill every buffer with garbage, so a pad value `pad()` forgets shows up.
-
-        NOTE: block-table rows the row cache vouches for are left as they are: debug mode
-        must not repair state production relies on (a stale cached row has to show up
-        here exactly as it would in production; `check_block_rows` then names it).
-        """
+        """Fill every buffer with garbage, so a pad value `pad()` forgets shows up."""
         self.input_ids.np[:] = rng.integers(0, vocab_size, self.max_num_tokens)
         self.positions.np[:] = rng.integers(0, 1 << 20, self.max_num_tokens)
         self.query_start_loc.np[:] = rng.integers(0, 1 << 20, self.max_num_reqs + 1)
         self.seq_lens.np[:] = rng.integers(1, 1 << 20, self.max_num_reqs)
-        uncached = [i for i, key in enumerate(self._row_keys) if key is None]
+        rows = self._poisonable_block_rows()
         for bt in self.block_tables:
-            bt.np[uncached] = rng.integers(1, max(num_blocks, 2),
-                                           (len(uncached), bt.np.shape[1]))
+            bt.np[rows] = rng.integers(1, max(num_blocks, 2), bt.np[rows].shape)
         for sm in self.slot_mappings:
             sm.np[:] = rng.integers(0, 1 << 20, self.max_num_tokens)
+
+    def _poisonable_block_rows(self) -> slice | list[int]:
+        """Block-table rows `poison()` may garble: all of them, unless a cache vouches."""
+        return slice(None)
+
+    def poison_pads(self, desc: BatchExecutionDescriptor, generator: torch.Generator,
+                    vocab_size: int, max_position: int) -> None:
+        """Garbage into the device rows of pad tokens, as a replay of ``desc`` reads them:
+        real outputs must not change."""
+        t, t_pad = desc.num_tokens, desc.num_tokens_padded
+        if t_pad > t:
+            self.input_ids.gpu[t:t_pad] = torch.randint(0, vocab_size, (t_pad - t,),
+                                                        generator=generator)
+            self.positions.gpu[t:t_pad] = torch.randint(0, max_position, (t_pad - t,),
+                                                        generator=generator)
+
+    def pad(self, desc: BatchExecutionDescriptor) -> None:
+        """Write the contract's safe values into pad rows and copy to the device."""
+        n, n_pad = desc.num_reqs, desc.num_reqs_padded
+        t, t_pad = desc.num_tokens, desc.num_tokens_padded
+        if n_pad > n:
+            self.query_start_loc.np[n + 1:n_pad + 1] = t    # zero-length pads keep it flat
+            self.seq_lens.np[n:n_pad] = 0
+            for bt in self.block_tables:
+                bt.np[n:n_pad] = NULL_BLOCK
+        if t_pad > t:
+            self.input_ids.np[t:t_pad] = 0
+            self.positions.np[t:t_pad] = 0
+            for sm in self.slot_mappings:
+                sm.np[t:t_pad] = PAD_SLOT_ID
+        self.input_ids.sync(t_pad)
+        self.positions.sync(t_pad)
+        self.query_start_loc.sync(n_pad + 1)
+        self.seq_lens.sync(n_pad)
+        for bt, sm in zip(self.block_tables, self.slot_mappings):
+            bt.sync(n_pad)
+            sm.sync(t_pad)
+
+    def metadata_views(self, desc: BatchExecutionDescriptor, max_query_len: int,
+                       max_seq_len: int) -> list[CommonAttentionMetadata]:
+        """One CommonAttentionMetadata per KV cache group, views sliced by ``desc``."""
+        n_pad, t_pad = desc.num_reqs_padded, desc.num_tokens_padded
+        return [CommonAttentionMetadata(desc, self.query_start_loc.gpu[:n_pad + 1],
+                                        self.seq_lens.gpu[:n_pad], bt.gpu[:n_pad],
+                                        sm.gpu[:t_pad], self.block_size, max_query_len,
+                                        max_seq_len)
+                for bt, sm in zip(self.block_tables, self.slot_mappings)]
+
+
+class InputBatch(PaddedBatch):
+    """The target model's batch: `prepare` writes the real rows of a scheduler output."""
+
+    def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int,
+                 num_kv_groups: int, block_size: int, device: torch.device) -> None:
+        super().__init__(max_num_reqs, max_num_tokens, max_blocks_per_req, num_kv_groups,
+                         block_size, device)
+        self._num_reqs = self._num_tokens = 0
+        self._row_keys: list[tuple | None] = [None] * max_num_reqs
+        self._arange = np.arange(max(max_num_reqs, max_num_tokens))   # read-only
+
+    def _poisonable_block_rows(self) -> list[int]:
+        """NOTE: block-table rows the row cache vouches for are left as they are: debug mode
+        must not repair state production relies on (a stale cached row has to show up
+        here exactly as it would in production; `check_block_rows` then names it)."""
+        return [i for i, key in enumerate(self._row_keys) if key is None]
 
     def check_block_rows(self, block_ids: list[list[list[int]]]) -> None:
         """Debug check: every real row holds exactly its request's blocks, then nulls."""
@@ -97,9 +160,9 @@ class InputBatch:
     def prepare(self, sched: SchedulerOutput, block_ids: list[list[list[int]]]) -> BatchLayout:
         """Write the real rows. ``block_ids[i][g]``: request i's blocks in group g."""
         num_reqs, num_tokens = sched.num_reqs, sched.num_tokens
-        assert num_reqs <= self.max_num_reqs and num_tokens <= self.max_num_tokens, (
-            f"batch of {num_reqs} requests / {num_tokens} tokens exceeds buffers "
-            f"{self.max_num_reqs} / {self.max_num_tokens}")
+        if num_reqs > self.max_num_reqs or num_tokens > self.max_num_tokens:
+            raise RuntimeError(f"batch of {num_reqs} requests / {num_tokens} tokens exceeds "
+                               f"buffers {self.max_num_reqs} / {self.max_num_tokens}")
         counts = np.array([s.num_new_tokens for s in sched.scheduled], dtype=np.int64)
         starts = np.array([s.request.num_computed_tokens for s in sched.scheduled],
                           dtype=np.int64)
@@ -175,43 +238,23 @@ class InputBatch:
                            num_logits)
 
     def pad(self, desc: BatchExecutionDescriptor) -> None:
-        """Write the contract's safe values into pad rows and copy to the device."""
-        n, n_pad = desc.num_reqs, desc.num_reqs_padded
-        t, t_pad = desc.num_tokens, desc.num_tokens_padded
-        assert (n, t) == (self._num_reqs, self._num_tokens), "pad() for another batch"
-        if n_pad > n:
-            self.query_start_loc.np[n + 1:n_pad + 1] = t    # zero-length pads keep it flat
-            self.seq_lens.np[n:n_pad] = 0
-            for bt in self.block_tables:
-                bt.np[n:n_pad] = NULL_BLOCK
-            self._row_keys[n:n_pad] = [None] * (n_pad - n)
-        if t_pad > t:
-            self.input_ids.np[t:t_pad] = 0
-            self.positions.np[t:t_pad] = 0
-            for sm in self.slot_mappings:
-                sm.np[t:t_pad] = -1
-        self.input_ids.sync(t_pad)
-        self.positions.sync(t_pad)
-        self.query_start_loc.sync(n_pad + 1)
-        self.seq_lens.sync(n_pad)
-        for bt, sm in zip(self.block_tables, self.slot_mappings):
-            bt.sync(n_pad)
-            sm.sync(t_pad)
+        if (desc.num_reqs, desc.num_tokens) != (self._num_reqs, self._num_tokens):
+            raise RuntimeError(f"pad() for a batch of {desc.num_reqs} requests / "
+                               f"{desc.num_tokens} tokens, but the prepared batch has "
+                               f"{self._num_reqs} / {self._num_tokens}")
+        self._row_keys[desc.num_reqs:desc.num_reqs_padded] = [None] * (
+            desc.num_reqs_padded - desc.num_reqs)
+        super().pad(desc)
 
     def common_metadata(self, desc: BatchExecutionDescriptor, layout: BatchLayout,
                         max_model_len: int) -> list[CommonAttentionMetadata]:
         """One CommonAttentionMetadata per KV cache group, views sliced by ``desc``."""
-        n_pad, t_pad = desc.num_reqs_padded, desc.num_tokens_padded
         full_graph = desc.mode == CUDAGraphMode.FULL
         # NOTE: under a FULL graph the kernel must read up to max_model_len keys: the
         # same graph replays for every later (longer) batch of this size.
         max_seq_len = max_model_len if full_graph else layout.max_seq_len
-        max_query_len = t_pad if full_graph else layout.max_query_len
-        return [CommonAttentionMetadata(desc, self.query_start_loc.gpu[:n_pad + 1],
-                                        self.seq_lens.gpu[:n_pad], bt.gpu[:n_pad],
-                                        sm.gpu[:t_pad], self.block_size, max_query_len,
-                                        max_seq_len)
-                for bt, sm in zip(self.block_tables, self.slot_mappings)]
+        max_query_len = desc.num_tokens_padded if full_graph else layout.max_query_len
+        return self.metadata_views(desc, max_query_len, max_seq_len)
 
 
 def _step_tokens(s: ScheduledRequest) -> list[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,14 +26,26 @@ from rung.runtime.request import Request
 from rung.runtime.sampler import Sampler, token_logprobs
 from rung.runtime.scheduler import SchedulerOutput
 
+if TYPE_CHECKING:
+    from rung.graphs.manager import GraphManager
+
 _CPU_KV_BUDGET_BYTES = 2 << 30
 
 
 @dataclasses.dataclass
 class ModelRunnerOutput:
+    """What one target step produced: everything the engine and a proposer read after it.
+
+    NOTE: ``hidden`` and ``logits`` may be views of static graph buffers: they are valid
+    until the next step runs, and a caller that keeps them longer clones them.
+    """
+
+    desc: BatchExecutionDescriptor                   # how the step ran (real and padded counts)
     sampled: dict[str, list[int]]                    # request id -> new tokens (maybe none)
     logprobs: dict[str, list[dict[int, Logprob]]]    # request id -> one dict per new token
     hidden_rows: dict[str, int]   # request id -> token row whose logits gave its last token
+    hidden: torch.Tensor          # [num_tokens_padded, hidden] the target's last hidden states
+    logits: torch.Tensor          # [num_logits, vocab] at layout.logits_indices
 
 
 def find_attention_layers(model: torch.nn.Module) -> dict[str, Attention]:
@@ -45,6 +58,7 @@ class ModelRunner:
         self.model = loaded.model
         self.device = config.device
         self.max_model_len = max_model_len
+        self.max_num_reqs = config.max_num_seqs
         self.vocab_size = loaded.config["vocab_size"]
         self.layers = find_attention_layers(self.model)
         self.backend = select_backend(config.attention_backend, config.device,
@@ -57,9 +71,8 @@ class ModelRunner:
                                       math.ceil(max_model_len / config.block_size),
                                       len(self.kv_groups), config.block_size, config.device)
         self.sampler = Sampler(config.seed)
-        self.graphs = None          # set by the engine when graphs are on
+        self.graphs: GraphManager | None = None      # see use_graphs; None runs eagerly
         self._poison_rng = np.random.default_rng(config.seed)
-        self.last_hidden: torch.Tensor | None = None   # [num_tokens_padded, hidden]
 
     # --- set-up -----------------------------------------------------------------------
     def _check_layers(self, backend: type[AttentionBackend]) -> None:
@@ -107,6 +120,10 @@ class ModelRunner:
         for name, layer in self.layers.items():
             layer.bind(self.backend, self.kv_caches[layer.kv_sharing_target or name])
 
+    def use_graphs(self, graphs: GraphManager) -> None:
+        """Dispatch and run every later step through ``graphs`` (captured or capturing)."""
+        self.graphs = graphs
+
     # --- one step -----------------------------------------------------------------------
     def dispatch(self, layout: BatchLayout,
                  num_tokens_across_dp: tuple[int, ...] | None = None
@@ -134,10 +151,14 @@ class ModelRunner:
         if self.config.debug_padding:
             self.input_batch.check_block_rows(block_ids)
         desc = self.dispatch(layout, num_tokens_across_dp)
-        self.last_desc = desc
         self.input_batch.pad(desc)
-        hidden = self.forward(desc, layout)
-        return self._sample(sched, layout, hidden)
+        hidden = self.forward(desc, layout)                       # [num_tokens_padded, H]
+        rows = torch.from_numpy(layout.logits_indices).to(self.device)
+        logits = self.model.compute_logits(hidden[rows])          # [num_logits, vocab]
+        out = ModelRunnerOutput(desc, {s.request.request_id: [] for s in sched.scheduled},
+                                {}, {}, hidden, logits)
+        self._sample(sched, layout, logits, out)
+        return out
 
     @torch.inference_mode()
     def execute_dummy(self, num_tokens_across_dp: tuple[int, ...]) -> None:
@@ -148,7 +169,6 @@ class ModelRunner:
             self.input_batch.poison(self._poison_rng, self.vocab_size, self.num_blocks)
         layout = self.input_batch.prepare_empty()
         self.input_batch.pad(desc)
-        self.last_desc = desc
         self.forward(desc, layout)
 
     def forward(self, desc: BatchExecutionDescriptor, layout: BatchLayout) -> torch.Tensor:
@@ -159,7 +179,6 @@ class ModelRunner:
                 hidden = self.model(ids, positions)
             else:
                 hidden = self.graphs.run(desc, ids, positions)
-        self.last_hidden = hidden
         return hidden
 
     def _inputs(self, desc: BatchExecutionDescriptor, layout: BatchLayout
@@ -169,6 +188,10 @@ class ModelRunner:
         positions = self.input_batch.positions.gpu[:desc.num_tokens_padded]
         return ids, positions, ForwardContext(desc, attn_metadata, self.layers)
 
+    def poison_pads(self, desc: BatchExecutionDescriptor, generator: torch.Generator) -> None:
+        """Garbage into the pad input rows a replay of ``desc`` reads (debug_padding)."""
+        self.input_batch.poison_pads(desc, generator, self.vocab_size, self.max_model_len)
+
     def dummy_batch(self, desc: BatchExecutionDescriptor
                     ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         """Inputs of a capture batch: every row a pad."""
@@ -176,12 +199,9 @@ class ModelRunner:
         self.input_batch.pad(desc)
         return self._inputs(desc, layout)
 
-    def _sample(self, sched: SchedulerOutput, layout: BatchLayout,
-                hidden: torch.Tensor) -> ModelRunnerOutput:
-        rows = torch.from_numpy(layout.logits_indices).to(self.device)
-        logits = self.model.compute_logits(hidden[rows])          # [num_logits, vocab]
-        self.last_logits = logits
-        out = ModelRunnerOutput({s.request.request_id: [] for s in sched.scheduled}, {}, {})
+    def _sample(self, sched: SchedulerOutput, layout: BatchLayout, logits: torch.Tensor,
+                out: ModelRunnerOutput) -> None:
+        """Sampled tokens (and logprobs) of every request into ``out``."""
         plain: list[tuple[Request, int]] = []                     # (request, logits row)
         offset = 0
         for s, n in zip(sched.scheduled, layout.num_logits_per_req):
@@ -192,7 +212,6 @@ class ModelRunner:
             offset += n
         if plain:
             self._sample_plain(plain, logits, layout, out)
-        return out
 
     def _sample_plain(self, plain: list[tuple[Request, int]], logits: torch.Tensor,
                       layout: BatchLayout, out: ModelRunnerOutput) -> None:

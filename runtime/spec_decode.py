@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from rung.core.descriptor import BatchExecutionDescriptor
+from rung.runtime.config import EngineConfig
 from rung.runtime.request import Request
+
+if TYPE_CHECKING:
+    from rung.graphs.manager import CaptureRecord, GraphManager
+    from rung.runtime.model_runner import ModelRunner, ModelRunnerOutput
 
 
 @dataclasses.dataclass
@@ -49,11 +54,19 @@ class Proposer:
 
     num_spec_tokens: int
 
+    def capture_all(self, graphs: GraphManager,
+                    progress: Callable[[CaptureRecord], None] | None = None) -> None:
+        """Capture the proposer's graphs into ``graphs`` (nothing for a host-side one)."""
+
+    def propose_dummy(self, num_tokens_across_dp: tuple[int, ...]) -> None:
+        """Data parallel: no request on this rank while others draft; run their size on
+        pads (nothing for a host-side proposer)."""
+
     def propose(self, desc: BatchExecutionDescriptor, reqs: list[Request],
-                result: Any, num_tokens_across_dp: tuple[int, ...] | None = None
-                ) -> list[list[int]]:
-        """``reqs``: the step's real requests in row order; ``result``: the target's
-        ModelRunnerOutput (sampled tokens, hidden rows). Returns [num_reqs][k] drafts.
+                result: ModelRunnerOutput,
+                num_tokens_across_dp: tuple[int, ...] | None = None) -> list[list[int]]:
+        """``reqs``: the step's real requests in row order; ``result``: the target step's
+        output (sampled tokens, hidden states and rows). Returns [num_reqs][k] drafts.
         ``num_tokens_across_dp``: data parallel only, the draft size every rank runs (a
         drafter with collectives pads its inputs, never its attention metadata, to it)."""
         raise NotImplementedError
@@ -68,10 +81,10 @@ class NgramProposer(Proposer):
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, desc: BatchExecutionDescriptor, reqs: list[Request],
-                result: Any = None, num_tokens_across_dp: tuple[int, ...] | None = None
-                ) -> list[list[int]]:
+                result: ModelRunnerOutput | None = None,
+                num_tokens_across_dp: tuple[int, ...] | None = None) -> list[list[int]]:
         # NOTE: host-only drafts: nothing to pad under data parallel
-        assert len(reqs) == desc.num_reqs, "one draft row per real request"
+        check_draft_rows(desc, reqs)
         return [self.propose_one(r.token_ids) for r in reqs]
 
     def propose_one(self, token_ids: list[int]) -> list[int]:
@@ -94,11 +107,19 @@ def _pad(drafts: list[int], k: int, filler: int) -> list[int]:
     return drafts + [drafts[-1] if drafts else filler] * (k - len(drafts))
 
 
-def make_proposer(config: Any, engine: Any) -> Proposer:
+def check_draft_rows(desc: BatchExecutionDescriptor, reqs: list[Request]) -> None:
+    """Failure class 3: a draft step runs one query per REAL request, never padded rows."""
+    if len(reqs) != desc.num_reqs or desc.num_tokens != desc.num_reqs:
+        raise RuntimeError(f"draft step for {len(reqs)} requests got a descriptor of "
+                           f"{desc.num_reqs} requests / {desc.num_tokens} tokens: drafting "
+                           "runs one query per real request")
+
+
+def make_proposer(config: EngineConfig, runner: ModelRunner) -> Proposer:
     spec = config.speculative
     if spec.method == "ngram":
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                              spec.prompt_lookup_max)
     from rung.runtime.mtp_proposer import MtpProposer
 
-    return MtpProposer.build(config, engine)
+    return MtpProposer.build(config, runner)

@@ -64,17 +64,20 @@ def drive(engine: Any, steps: Steps, trace: Trace | None = None) -> Trace:
     """Run exactly ``len(steps)`` greedy steps through the step API, then abort the rest."""
     params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
     trace = trace if trace is not None else Trace()
+    last: list[Any] = [None]             # the latest step's ModelRunnerOutput
+    remove_listener = engine.add_step_listener(lambda result: last.__setitem__(0, result))
     try:
         for arrivals in steps:
             for rid, prompt in arrivals:
                 engine.add_request(rid, prompt, params)
             outs = engine.step()
-            trace.logits.append(engine.runner.last_logits.clone())
-            trace.descs.append(engine.runner.last_desc)
+            trace.logits.append(last[0].logits.clone())
+            trace.descs.append(last[0].desc)
             trace.tokens.append({o.request_id: o.outputs[0].token_ids for o in outs})
             trace.drafts.append({r.request_id: list(r.spec_token_ids)
                                  for r in engine.scheduler.running})
     finally:
+        remove_listener()
         for rid in list(engine.requests):
             engine.abort_request(rid)
     return trace
@@ -106,7 +109,7 @@ def guard_kv(runner: Any) -> None:
     def checked(sched, block_ids):
         before = {name: cache.clone() for name, cache in runner.kv_caches.items()}
         out = execute(sched, block_ids)
-        num_tokens = runner.last_desc.num_tokens
+        num_tokens = out.desc.num_tokens
         for group in runner.kv_groups:
             slots = torch.from_numpy(
                 runner.input_batch.slot_mappings[group.group_id].np[:num_tokens].copy())
@@ -124,13 +127,19 @@ def guard_kv(runner: Any) -> None:
 
 
 @contextlib.contextmanager
-def pinned_size(runner: Any, size: int) -> Iterator[None]:
+def pinned_size(runner: Any, size: int,
+                dispatched: list[BatchExecutionDescriptor]) -> Iterator[None]:
     """Pad every graph batch that fits ``size`` to ``size`` (not to the smallest size that
-    holds it), so one captured size replays at every fill level."""
+    holds it), so one captured size replays at every fill level. Every descriptor handed
+    out goes to ``dispatched`` (the last one names the step that failed, if one does)."""
     dispatch, dispatcher = runner.dispatch, runner.graphs.dispatcher
 
     def pinned(layout, num_tokens_across_dp=None):
-        desc = dispatch(layout, num_tokens_across_dp)
+        desc = _pinned(dispatch(layout, num_tokens_across_dp), num_tokens_across_dp)
+        dispatched.append(desc)
+        return desc
+
+    def _pinned(desc, num_tokens_across_dp):
         if (desc.mode == CUDAGraphMode.NONE or desc.num_tokens > size
                 or num_tokens_across_dp is not None):     # data parallel sizes are agreed
             return desc
@@ -175,17 +184,18 @@ def verify_engine(graph_engine: Any, eager_engine: Any,
                 fits = _fits(graph_engine, s, n, only_mixed)
                 cells[(mode.name, s, n)] = Cell(mode.name, s, n, "none" if fits else "n/a")
     for size in sizes:
-        got = Trace()
+        got, dispatched = Trace(), []
         # NOTE: past the ramp step where more requests run than ``size`` holds, nothing
         # can replay at this size: stop there (eager's prefix is the same steps).
         num_steps = 2 * max_reqs_at(graph_engine, size)
-        with pinned_size(runner, size):
+        with pinned_size(runner, size, dispatched):
             try:
                 drive(graph_engine, steps[:num_steps], got)
             except (AssertionError, RuntimeError) as e:
-                desc = runner.last_desc
+                desc = dispatched[-1] if dispatched else None
                 key = ((desc.mode.name, desc.num_tokens_padded, desc.num_reqs)
-                       if desc.mode != CUDAGraphMode.NONE else (next(iter(cells))[0], size, 1))
+                       if desc is not None and desc.mode != CUDAGraphMode.NONE
+                       else (next(iter(cells))[0], size, 1))
                 _fail(cells, key, f"step {len(got.descs)}: {type(e).__name__}: {e}")
         for step, desc in enumerate(got.descs):
             cell = cells.get((desc.mode.name, desc.num_tokens_padded, desc.num_reqs))

@@ -8,6 +8,7 @@ import time
 from typing import Any, Callable
 
 from rung.core.graph_mode import CUDAGraphMode
+from rung.graphs.manager import TARGET
 
 
 def served_ranges(sizes: list[int]) -> dict[int, str]:
@@ -53,9 +54,9 @@ def run_warmup(args: argparse.Namespace, build_llm: Callable) -> int:
     llm = build_llm(args)
     graphs = llm.engine.runner.graphs
     proposer = llm.engine.proposer
-    draft = [dict(r) for r in getattr(proposer, "records", [])]
+    draft = [dict(vars(r)) for r in graphs.records if r.graph != TARGET]
     draft_sizes = list(getattr(getattr(proposer, "dispatcher", None), "sizes", []))
-    records = [dict(vars(r)) for r in graphs.records]
+    records = [dict(vars(r)) for r in graphs.records if r.graph == TARGET]
     report: dict[str, Any] = {
         "model": args.model, "mode": graphs.mode.name,
         "capture_backend": graphs.capture_backend.name,

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from hf_oracle import random_prompts
+from helpers import random_prompts
 
 from rung.runtime import LLM, SamplingParams
 from rung.runtime.data_parallel import route_requests, spawn_ranks
@@ -40,16 +40,15 @@ def _waves() -> list[tuple[list[dict], list[SamplingParams], list[int]]]:
     return [(prompts1, params1, WAVE1_RANKS), (prompts2, params2, WAVE2_RANKS)]
 
 
-def _record(obj, name: str, out: list, key) -> None:
-    """Wrap ``obj.name`` to append ``key(obj)`` after every call."""
-    inner = getattr(obj, name)
+def _record_drafts(proposer, out: list) -> None:
+    """Wrap ``proposer._run`` to append the shape of every draft descriptor it runs."""
+    inner = proposer._run
 
-    def wrapper(*args, **kwargs):
-        result = inner(*args, **kwargs)
-        out.append(key(obj))
-        return result
+    def wrapper(draft_desc, *args):
+        out.append(_shape(draft_desc))
+        return inner(draft_desc, *args)
 
-    setattr(obj, name, wrapper)
+    proposer._run = wrapper
 
 
 def _shape(desc) -> tuple:
@@ -63,9 +62,9 @@ def _rank_worker(rank: int, kwargs: dict) -> dict:
     llm = LLM(**kwargs, data_parallel_size=WORLD)
     engine = llm.engine
     target, drafts = [], []
-    _record(engine.runner, "execute", target, lambda r: _shape(r.last_desc))
+    engine.add_step_listener(lambda result: target.append(_shape(result.desc)))
     if hasattr(engine.proposer, "_run"):
-        _record(engine.proposer, "_run", drafts, lambda p: _shape(p.last_desc))
+        _record_drafts(engine.proposer, drafts)
     tokens = []
     for prompts, params, ranks in _waves():
         outs = llm.generate(prompts, params, data_parallel_ranks=ranks)

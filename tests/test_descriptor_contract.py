@@ -6,6 +6,7 @@ import torch
 
 from rung.core.attention_metadata import CommonAttentionMetadata, validate
 from rung.core.descriptor import BatchExecutionDescriptor
+from rung.core.errors import ContractError
 from rung.core.graph_mode import CUDAGraphMode
 from rung.kernels.backend import AttentionLayerSpec
 from rung.kernels.torch_backend import TorchAttentionImpl
@@ -82,12 +83,12 @@ def test_block_table_left_at_the_padded_batch_is_caught():
     """Failure class 1: a per-group block table of num_reqs_padded rows next to an
     unpadded query_start_loc is FlashAttention's 'batch_size must be equal to batch_size_k'."""
     meta = _meta(num_rows=3, block_table_rows=8)
-    with pytest.raises(AssertionError, match="batch_size must be equal to batch_size_k"):
+    with pytest.raises(ContractError, match="batch_size must be equal to batch_size_k"):
         validate(meta)
     impl = TorchAttentionImpl(AttentionLayerSpec(2, 1, 4, 0.5))
     q = torch.zeros(3, 2, 4)
     kv = torch.zeros(2, 4, BLOCK_SIZE, 1, 4)
-    with pytest.raises(AssertionError, match="batch_size must be equal to batch_size_k"):
+    with pytest.raises(ContractError, match="batch_size must be equal to batch_size_k"):
         impl.forward(q, torch.zeros(3, 1, 4), torch.zeros(3, 1, 4), kv, meta, torch.empty_like(q))
 
 
@@ -98,7 +99,7 @@ def test_block_table_left_at_the_padded_batch_is_caught():
     ((CUDAGraphMode.FULL_AND_PIECEWISE, 1, 1, 1, 1), "runtime mode"),
 ])
 def test_descriptor_invariants(fields, message):
-    with pytest.raises(AssertionError, match=message):
+    with pytest.raises(ContractError, match=message):
         BatchExecutionDescriptor(*fields)
-    with pytest.raises(AssertionError, match="uniform query len 2"):
+    with pytest.raises(ContractError, match="uniform query len 2"):
         BatchExecutionDescriptor(CUDAGraphMode.FULL, 3, 4, 5, 8, 2)

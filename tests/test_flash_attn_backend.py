@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_triton_kernels import make_batch
+from helpers import make_batch
 
 from rung.core.kv_cache_spec import KVCacheSpec
 from rung.kernels.backend import AttentionLayerSpec

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (
-    Gemma4AssistantConfig,
-    Gemma4AssistantForCausalLM,
-    Gemma4ForCausalLM,
-    Gemma4TextConfig,
+from helpers import (
+    MTP_PROMPT_LENS,
+    MTP_VOCAB,
+    MTP_WINDOW,
+    hf_drafts,
+    hf_gemma4_assistant,
+    hf_gemma4_target,
+    hf_prefill,
 )
 
 from rung.core.attention_metadata import CommonAttentionMetadata, validate
@@ -28,59 +31,22 @@ from rung.models.loader import load_model
 from rung.models.presets import PRESETS
 from rung.runtime.model_runner import find_attention_layers
 
-VOCAB, WINDOW, NUM_DRAFTS, BLOCK_SIZE = 512, 16, 3, 16
-PROMPT_LENS = (5, 40)          # inside and beyond the sliding window
+VOCAB, WINDOW, NUM_DRAFTS, BLOCK_SIZE = MTP_VOCAB, MTP_WINDOW, 3, 16
+PROMPT_LENS = MTP_PROMPT_LENS
 MAX_BLOCKS_PER_REQ = 4         # 64 positions per request
-TARGET = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
-              num_attention_heads=8, num_key_value_heads=2, head_dim=32, global_head_dim=64,
-              sliding_window=WINDOW, hidden_size_per_layer_input=0,
-              vocab_size_per_layer_input=0, initializer_range=0.1)
-ASSISTANT_TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=32, global_head_dim=64, sliding_window=WINDOW,
-                      hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
-                      num_kv_shared_layers=2, initializer_range=0.1,
-                      layer_types=["sliding_attention", "full_attention"])
 # 16 centroids of 32 tokens each; the top 4 centroids give 128 candidate tokens per row.
 ORDERED = dict(use_ordered_embeddings=True, num_centroids=16, centroid_intermediate_top_k=4)
-
-
-def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
-    """Norm weights and layer scalars away from 1, so a mis-loaded one shows."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, tensor in model.state_dict().items():
-        if name.endswith("norm.weight") or name.endswith("layer_scalar"):
-            tensor.copy_(0.5 + torch.rand(tensor.shape, generator=gen))
-
-
-def _hf_target() -> Gemma4ForCausalLM:
-    torch.manual_seed(0)
-    model = Gemma4ForCausalLM(Gemma4TextConfig(**TARGET, attn_implementation="eager")).eval()
-    _randomize_norms(model, 1)
-    return model
-
-
-def _hf_assistant(**extra) -> Gemma4AssistantForCausalLM:
-    torch.manual_seed(2)
-    text = Gemma4TextConfig(**ASSISTANT_TEXT, attn_implementation="eager")
-    cfg = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=128, **extra)
-    model = Gemma4AssistantForCausalLM(cfg).eval()
-    _randomize_norms(model, 3)
-    if model.masked_embedding is not None:
-        gen = torch.Generator().manual_seed(4)
-        model.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB, generator=gen))
-    return model
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
     """HF target and assistants, and rung's loads of the same folders (target bound)."""
-    out = {"hf_target": _hf_target()}
+    out = {"hf_target": hf_gemma4_target()}
     folder = tmp_path_factory.mktemp("target")
     out["hf_target"].save_pretrained(folder)
     out["target"] = load_model(str(folder)).model
     for head, extra in (("lm_head", {}), ("ordered", ORDERED)):
-        hf = _hf_assistant(**extra)
+        hf = hf_gemma4_assistant(**extra)
         folder = tmp_path_factory.mktemp(f"assistant_{head}")
         hf.save_pretrained(folder)
         rung = load_model(str(folder)).model
@@ -92,33 +58,6 @@ def models(tmp_path_factory) -> dict:
 def _prompts() -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(5)
     return [torch.randint(3, VOCAB, (n,), generator=gen) for n in PROMPT_LENS]
-
-
-# --- HF oracle ---------------------------------------------------------------------------
-@torch.no_grad()
-def _hf_prefill(target, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """-> (sampled token [1, 1] at position L, its target hidden [1, 1, backbone],
-    shared_kv_states: layer type -> (k, v) [1, kvh, L, hd])."""
-    out = target(prompt[None], output_hidden_states=True, return_shared_kv_states=True)
-    return out.logits[:, -1:].argmax(-1), out.hidden_states[-1][:, -1:], out.shared_kv_states
-
-
-@torch.no_grad()
-def _hf_drafts(target, assistant, prompt: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-    """HF's drafter loop right after the target prefilled ``prompt`` and sampled one token:
-    -> (k draft tokens, their logits [k, vocab])."""
-    token, hidden, shared_kv = _hf_prefill(target, prompt)
-    position = torch.tensor([[prompt.shape[0]]])
-    mask = torch.ones(1, prompt.shape[0] + 1, dtype=torch.long)
-    tokens, logits = [], []
-    for _ in range(NUM_DRAFTS):
-        embeds = torch.cat((target.get_input_embeddings()(token), hidden), dim=-1)
-        step = assistant(inputs_embeds=embeds, position_ids=position, attention_mask=mask,
-                         shared_kv_states=shared_kv, use_cache=False)
-        token, hidden = step.logits.argmax(-1), step.last_hidden_state
-        tokens.append(int(token))
-        logits.append(step.logits[0, 0])
-    return tokens, torch.stack(logits)
 
 
 # --- rung, by hand: paged KV, metadata, forward context ----------------------------------
@@ -171,7 +110,7 @@ def _caches_from_hf(hf_target, prompts: list[torch.Tensor], block_table: torch.T
     caches: dict[str, torch.Tensor] = {}
     tokens, hiddens = [], []
     for row, prompt in enumerate(prompts):
-        token, hidden, shared_kv = _hf_prefill(hf_target, prompt)
+        token, hidden, shared_kv = hf_prefill(hf_target, prompt)
         tokens.append(token[0, 0])
         hiddens.append(hidden[0, 0])
         positions = torch.arange(prompt.shape[0])
@@ -228,7 +167,8 @@ def _rung_drafts(drafter: Gemma4AssistantModel, caches: dict[str, torch.Tensor],
 def _assert_matches_hf(models: dict, hf_assistant, prompts: list[torch.Tensor],
                        tokens: torch.Tensor, logits: torch.Tensor, atol: float) -> None:
     for i, prompt in enumerate(prompts):
-        want_tokens, want_logits = _hf_drafts(models["hf_target"], hf_assistant, prompt)
+        want_tokens, want_logits = hf_drafts(models["hf_target"], hf_assistant, prompt,
+                                             NUM_DRAFTS)
         assert tokens[i].tolist() == want_tokens, (
             f"prompt of {prompt.shape[0]} tokens: rung drafts {tokens[i].tolist()} != HF "
             f"{want_tokens}")

@@ -4,7 +4,7 @@ the same weights, bad files rejected with clear errors, tokenizer and chat templ
 import numpy as np
 import pytest
 import torch
-from hf_oracle import assert_matches_hf, random_prompts
+from helpers import assert_matches_hf, random_prompts
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rung.models.gguf import GGUFModel, dequantize_numpy

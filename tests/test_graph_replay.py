@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rung.core.graph_mode import GraphSupport
-from rung.kernels.selector import register_backend
+from rung.kernels import selector
 from rung.kernels.torch_backend import TorchBackend
 from rung.runtime import LLM, SamplingParams
 from rung.runtime.cli import main as cli_main
@@ -111,8 +111,8 @@ class _NoGraphBackend(TorchBackend):
     graph_support = GraphSupport.NEVER
 
 
-def test_full_with_a_backend_that_cannot_capture_downgrades(caplog, eager_llm):
-    register_backend(_NoGraphBackend)
+def test_full_with_a_backend_that_cannot_capture_downgrades(caplog, monkeypatch, eager_llm):
+    monkeypatch.setitem(selector._BACKENDS, _NoGraphBackend.name, _NoGraphBackend)
     with caplog.at_level(logging.WARNING, logger="rung.graphs"):
         llm = _graph_llm("full", attention_backend="nograph")
     assert "downgraded to PIECEWISE" in caplog.text

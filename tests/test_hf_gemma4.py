@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from hf_oracle import assert_matches_hf, random_prompts, save_hf_model
+from helpers import assert_matches_hf, random_prompts, save_hf_model
 from transformers import (
     Gemma4Config,
     Gemma4ForCausalLM,
@@ -106,15 +106,6 @@ def test_shared_kv_layers_write_no_cache(tmp_path):
         layers["model.layers.1.self_attn.attn"].kv_cache
 
 
-def _has_graph_manager() -> bool:
-    try:
-        import rung.graphs.manager  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _has_graph_manager(), reason="rung.graphs.manager not available yet")
 def test_graphs_match_eager(eager_run):
     _, folder, prompts, _, eager = eager_run
     llm = _llm(folder, enforce_eager=False,

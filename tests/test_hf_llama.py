@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hf_oracle import assert_matches_hf, random_prompts, save_hf_model
+from helpers import assert_matches_hf, random_prompts, save_hf_model
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rung.runtime import LLM, SamplingParams

@@ -3,17 +3,17 @@ assisted generate, on the same saved weights (fp32 CPU)."""
 
 import pytest
 import torch
-from test_gemma4_mtp_model import NUM_DRAFTS, PROMPT_LENS, _hf_assistant, _hf_drafts, _hf_target
+from helpers import MTP_PROMPT_LENS, hf_drafts, hf_gemma4_assistant, hf_gemma4_target
 
 from rung.runtime import LLM, SamplingParams
 
-NUM_TOKENS = 12
+NUM_TOKENS, NUM_DRAFTS = 12, 3
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     torch.manual_seed(0)
-    target, assistant = _hf_target(), _hf_assistant()
+    target, assistant = hf_gemma4_target(), hf_gemma4_assistant()
     target_dir, assistant_dir = tmp_path_factory.mktemp("t"), tmp_path_factory.mktemp("a")
     target.save_pretrained(target_dir)
     assistant.save_pretrained(assistant_dir)
@@ -22,7 +22,7 @@ def folders(tmp_path_factory):
 
 def _prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(11)
-    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in MTP_PROMPT_LENS]
 
 
 def _llm(folders, graphs: bool) -> LLM:
@@ -44,10 +44,10 @@ def test_first_round_drafts_equal_hf_assistant(folders, graphs):
                            SamplingParams(temperature=0, max_tokens=NUM_TOKENS))
     engine.step()                                  # both prompts prefill in this one step
     for i, prompt in enumerate(_prompts()):
-        want, _ = _hf_drafts(hf_target, hf_assistant, torch.tensor(prompt))
+        want, _ = hf_drafts(hf_target, hf_assistant, torch.tensor(prompt), NUM_DRAFTS)
         assert engine.requests[f"p{i}"].spec_token_ids == want, f"prompt of {len(prompt)}"
     if graphs:
-        assert engine.proposer.last_desc.mode.name == "FULL"
+        assert list(engine.proposer.graph_replays) == ["FULL:2"]
 
 
 def test_hf_assisted_generate_equals_rung(folders):

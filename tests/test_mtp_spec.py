@@ -4,6 +4,8 @@ import pytest
 
 from rung.core import attention_metadata
 from rung.runtime import LLM, SamplingParams
+from rung.runtime.input_batch import InputBatch
+from rung.runtime.mtp_proposer import DraftBatch
 
 ENGINE = {"max_model_len": 160, "max_num_seqs": 8, "max_num_batched_tokens": 64,
           "dtype": "float32"}
@@ -95,6 +97,31 @@ def test_staggered_waves_under_graphs_match_eager_without_speculation(monkeypatc
     stats = llm.engine.stats()
     assert any(k.startswith("FULL") for k in stats["graph_replays"])
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
+
+
+def test_draft_replays_poison_the_draft_batch(monkeypatch):
+    """Failure class 4 on the draft path: an emulated draft replay garbles the pad rows of the
+    DRAFT batch (a draft descriptor: one query per request), never the target's buffers."""
+    poisoned = []
+    for cls, kind in ((DraftBatch, "draft"), (InputBatch, "target")):
+        def spy(self, desc, *args, _real=cls.poison_pads, _kind=kind):
+            poisoned.append((_kind, desc))
+            return _real(self, desc, *args)
+        monkeypatch.setattr(cls, "poison_pads", spy)
+    llm = LLM("tiny-gemma4", speculative_config=_mtp(2), debug_padding=True, **ENGINE,
+              compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})
+    prompts, params = _prompts(3), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM("tiny-gemma4", enforce_eager=True, **ENGINE).generate(prompts, params)
+    target_steps = []
+    llm.engine.add_step_listener(lambda result: target_steps.append(result.desc))
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    draft = [d for kind, d in poisoned if kind == "draft"]
+    assert any(d.num_reqs < d.num_reqs_padded for d in draft), "no padded draft replay"
+    assert all(d.num_tokens == d.num_reqs and d.uniform_query_len == 1 for d in draft)
+    target = [d for kind, d in poisoned if kind == "target"]
+    assert target and all(d in target_steps for d in target), (
+        "a draft replay poisoned the target's input batch")
 
 
 def test_drafter_that_does_not_fit_the_target_is_rejected():

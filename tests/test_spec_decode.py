@@ -100,6 +100,16 @@ def test_drafting_descriptor_ignores_graph_and_data_parallel_padding():
     assert drafting.num_tokens_across_dp is None
 
 
+def test_a_draft_step_refuses_a_padded_descriptor():
+    """Failure class 3: the target step's own descriptor (4 query tokens a request, one
+    padded row) is not a draft step's; the proposer raises instead of drafting pad rows."""
+    reqs = [_request(0.0) for _ in range(3)]
+    target = BatchExecutionDescriptor(CUDAGraphMode.FULL, 3, 4, 12, 16, 4)
+    with pytest.raises(RuntimeError, match="one query per real request"):
+        NgramProposer(3, 1, 3).propose(target, reqs)
+    assert NgramProposer(3, 1, 3).propose(target.for_drafting(), reqs) == [[2, 2, 2]] * 3
+
+
 @pytest.mark.parametrize("spec, match", [
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},

@@ -1,6 +1,8 @@
 """Backend choice: the engine on Triton (interpreted on CPU) gives the torch backend's
 tokens; `auto` skips a backend that rejects the config."""
 
+import logging
+
 import torch
 
 from rung.core.kv_cache_spec import KVCacheSpec
@@ -41,7 +43,7 @@ class _PickyBackend(TorchBackend):
             raise ValueError(f"block_size {kv_spec.block_size} is not a multiple of 256")
 
 
-def test_auto_skips_a_backend_that_rejects_the_config(monkeypatch):
+def test_auto_skips_a_backend_that_rejects_the_config(monkeypatch, caplog):
     accepted = []
 
     def accepts(backend):
@@ -50,5 +52,9 @@ def test_auto_skips_a_backend_that_rejects_the_config(monkeypatch):
 
     monkeypatch.setattr(selector, "_known", lambda: {"FLASH_ATTN": _PickyBackend,
                                                      "TORCH": TorchBackend})
-    chosen = selector.select_backend("auto", torch.device("cuda"), accepts)
+    with caplog.at_level(logging.INFO, logger="rung.kernels.selector"):
+        chosen = selector.select_backend("auto", torch.device("cuda"), accepts)
     assert chosen is TorchBackend and accepted == ["PICKY", "TORCH"]
+    assert ("attention backend FLASH_ATTN skipped: block_size 16 is not a multiple of 256"
+            in caplog.text)
+    assert "attention backend TRITON skipped: not installed" in caplog.text

@@ -10,10 +10,9 @@ import importlib.util
 
 import pytest
 import torch
+from helpers import DEVICE, Batch, make_batch
 
-from rung.core.attention_metadata import CommonAttentionMetadata, validate
-from rung.core.descriptor import BatchExecutionDescriptor
-from rung.core.graph_mode import CUDAGraphMode
+from rung.core.errors import ContractError
 from rung.core.kv_cache_spec import KVCacheSpec
 from rung.kernels.backend import AttentionLayerSpec
 from rung.kernels.selector import select_backend
@@ -22,70 +21,7 @@ from rung.kernels.triton.kv_write import kv_write
 from rung.kernels.triton.paged_attention import paged_attention
 from rung.kernels.triton_backend import TritonBackend
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-NUM_SPARE_BLOCKS = 3          # allocated in the cache, never handed to a request
-
-
-@dataclasses.dataclass
-class Batch:
-    meta: CommonAttentionMetadata
-    query: torch.Tensor        # [num_tokens_padded, num_heads, head_dim]
-    key: torch.Tensor          # [num_tokens_padded, num_kv_heads, head_dim]
-    value: torch.Tensor        # [num_tokens_padded, num_kv_heads, head_dim]
-    kv_cache: torch.Tensor     # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    layer: AttentionLayerSpec
-
-    @property
-    def real_slots(self) -> torch.Tensor:
-        return self.meta.slot_mapping[: self.meta.num_tokens]   # [num_tokens] int64
-
-
-def make_batch(gen: torch.Generator, q_lens: list[int], seq_lens: list[int], *,
-               num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 32,
-               block_size: int = 4, dtype: torch.dtype = torch.float32,
-               num_pad_reqs: int = 0, num_pad_tokens: int = 0,
-               uniform_query_len: int | None = None, max_seq_len: int | None = None,
-               max_query_len: int | None = None, sliding_window: int | None = None,
-               logit_softcap: float | None = None, device: torch.device = DEVICE) -> Batch:
-    """A batch whose query tokens are the last q_len of seq_len tokens per request.
-
-    Pads follow the descriptor contract: a FULL descriptor, pad rows with seq_len 0 and
-    block-table rows 0 (the null block), query_start_loc flat, pad tokens with slot -1.
-    """
-    num_reqs, num_tokens = len(q_lens), sum(q_lens)
-    num_reqs_padded, num_tokens_padded = num_reqs + num_pad_reqs, num_tokens + num_pad_tokens
-    blocks_per_req = [-(-s // block_size) for s in seq_lens]
-    num_blocks = 1 + sum(blocks_per_req) + NUM_SPARE_BLOCKS
-    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()   # block 0 is null
-    block_table = torch.zeros(num_reqs_padded, max(blocks_per_req) + 1, dtype=torch.int32)
-    slots = []
-    for row, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
-        for col in range(blocks_per_req[row]):
-            block_table[row, col] = free.pop()
-        for pos in range(seq_len - q_len, seq_len):
-            slots.append(int(block_table[row, pos // block_size]) * block_size + pos % block_size)
-    slot_mapping = torch.tensor(slots + [-1] * num_pad_tokens, dtype=torch.int64)
-    query_start_loc = torch.tensor([0] + q_lens + [0] * num_pad_reqs).cumsum(0).to(torch.int32)
-    mode = CUDAGraphMode.FULL if num_pad_reqs or num_pad_tokens else CUDAGraphMode.NONE
-    desc = BatchExecutionDescriptor(mode, num_reqs, num_reqs_padded, num_tokens,
-                                    num_tokens_padded, uniform_query_len)
-    meta = CommonAttentionMetadata(
-        desc, query_start_loc.to(device),
-        torch.tensor(seq_lens + [0] * num_pad_reqs, dtype=torch.int32, device=device),
-        block_table.to(device), slot_mapping.to(device), block_size,
-        max_query_len or max(q_lens), max_seq_len or max(seq_lens))
-    validate(meta)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
-
-    layer = AttentionLayerSpec(num_heads, num_kv_heads, head_dim, head_dim ** -0.5,
-                               sliding_window, logit_softcap)
-    return Batch(meta, randn(num_tokens_padded, num_heads, head_dim),
-                 randn(num_tokens_padded, num_kv_heads, head_dim),
-                 randn(num_tokens_padded, num_kv_heads, head_dim),
-                 randn(2, num_blocks, block_size, num_kv_heads, head_dim), layer)
 
 
 def mixed_lengths(gen: torch.Generator, block_size: int) -> tuple[list[int], list[int]]:
@@ -278,7 +214,7 @@ def test_impl_rejects_block_table_not_matching_query_start_loc():
                        uniform_query_len=1)
     batch.meta.query_start_loc = batch.meta.query_start_loc[:3]
     output = torch.empty_like(batch.query)
-    with pytest.raises(AssertionError, match="batch_size must be equal to batch_size_k"):
+    with pytest.raises(ContractError, match="batch_size must be equal to batch_size_k"):
         TritonBackend.impl_cls(batch.layer).forward(batch.query, batch.key, batch.value,
                                                     batch.kv_cache, batch.meta, output)
 

@@ -22,6 +22,15 @@ def test_warmup_prints_a_table_and_writes_json(preset, tmp_path, capsys):
     assert report["capture_sizes"] == [1, 2, 4]
 
 
+def test_warmup_lists_the_drafter_graphs(capsys):
+    assert main(["warmup", "--model", "tiny-gemma4", "--speculative-model", "tiny-gemma4-mtp",
+                 "--num-speculative-tokens", "1", "--max-num-seqs", "4",
+                 "--max-model-len", "64"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert sorted(int(r[2]) for r in rows if r and r[0] == "DRAFT_FULL") == [1, 2, 4]
+    assert any(r and r[0] == "FULL" for r in rows)
+
+
 def test_warmup_default_ladder_captures_max_num_seqs(capsys):
     assert main(["warmup", "--model", "tiny-llama", "--max-num-seqs", "12", "--mode",
                  "full_decode_only", "--max-model-len", "32"]) == 0

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rung.core.errors import ContractError
+
 
 @triton.jit
 def _kv_write_kernel(
@@ -44,11 +46,14 @@ def kv_write(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     Graph-safe: the grid is the padded token count; no host sync.
     """
     num_tokens_padded, num_kv_heads, head_dim = key.shape
-    assert value.shape == key.shape, f"value {tuple(value.shape)} != key {tuple(key.shape)}"
-    assert kv_cache.shape[0] == 2 and kv_cache.shape[3:] == (num_kv_heads, head_dim), (
-        f"kv_cache {tuple(kv_cache.shape)} does not hold {num_kv_heads} heads x {head_dim}")
-    assert slot_mapping.shape == (num_tokens_padded,), (
-        f"slot_mapping {tuple(slot_mapping.shape)} != tokens {num_tokens_padded}")
+    if value.shape != key.shape:
+        raise ContractError(f"value {tuple(value.shape)} != key {tuple(key.shape)}")
+    if kv_cache.shape[0] != 2 or kv_cache.shape[3:] != (num_kv_heads, head_dim):
+        raise ContractError(f"kv_cache {tuple(kv_cache.shape)} does not hold {num_kv_heads} "
+                            f"heads x {head_dim}")
+    if slot_mapping.shape != (num_tokens_padded,):
+        raise ContractError(f"slot_mapping {tuple(slot_mapping.shape)} != tokens "
+                            f"{num_tokens_padded}")
     if num_tokens_padded == 0:
         return
     _kv_write_kernel[(num_tokens_padded,)](

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rung.core.errors import ContractError
+
 
 @triton.jit
 def _tanh(x):
@@ -183,9 +185,12 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.T
     num_tokens_padded, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
     num_reqs_padded = seq_lens.shape[0]
-    assert cache_head_dim == head_dim, f"cache head_dim {cache_head_dim} != query {head_dim}"
-    assert num_heads % num_kv_heads == 0, f"{num_heads} heads over {num_kv_heads} KV heads"
-    assert output.shape == query.shape, f"output {tuple(output.shape)} != {tuple(query.shape)}"
+    if cache_head_dim != head_dim:
+        raise ContractError(f"cache head_dim {cache_head_dim} != query {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ContractError(f"{num_heads} heads over {num_kv_heads} KV heads")
+    if output.shape != query.shape:
+        raise ContractError(f"output {tuple(output.shape)} != {tuple(query.shape)}")
     if num_tokens_padded == 0 or num_reqs_padded == 0:
         return
     group = num_heads // num_kv_heads

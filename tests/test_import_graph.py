@@ -1,0 +1,43 @@
+"""Package imports form a DAG: runtime -> graphs/models -> kernels -> core (no upward import).
+
+The layering is defined and explained in rung.bench.import_graph; print the graph with
+``python -m rung.bench.import_graph``.
+"""
+
+from rung.bench.import_graph import (
+    ROOT,
+    find_cycle,
+    module_edges,
+    package_graph,
+    violations,
+)
+
+
+def test_no_package_imports_a_higher_layer():
+    assert violations(module_edges()) == []
+
+
+def test_package_graph_has_no_cycle():
+    assert find_cycle(package_graph(module_edges())) is None
+
+
+def test_every_library_module_is_read():
+    edges = module_edges()
+    sources = {what.split(" ")[0] for _, _, what in edges}
+    assert {"kernels/attention.py", "graphs/manager.py", "runtime/engine.py"} <= sources
+    assert (ROOT / "core" / "descriptor.py").exists()
+
+
+def test_an_upward_import_is_caught_even_under_type_checking(tmp_path):
+    for package in ("core", "kernels", "models", "graphs", "runtime", "bench"):
+        (tmp_path / package).mkdir()
+    (tmp_path / "kernels" / "bad.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from rung.runtime.model_runner import ModelRunner\n")
+    (tmp_path / "runtime" / "ok.py").write_text("import rung.kernels.bad\n")
+    edges = module_edges(tmp_path)
+    assert violations(edges) == [
+        "kernels/bad.py imports rung.runtime.model_runner (kernels may import core)"]
+    assert find_cycle(package_graph(edges)) in (["kernels", "runtime", "kernels"],
+                                                 ["runtime", "kernels", "runtime"])
