@@ -13,13 +13,14 @@ import argparse
 import copy
 import json
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from rung.bench.stats import percentiles_ms
 from rung.runtime.engine import LLMEngine
+from rung.runtime.llm import LLM
 from rung.runtime.sampling_params import SamplingParams
 
 VARIANTS = ("prefix_caching", "no_prefix_caching")
@@ -79,9 +80,8 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
 
 
-def run_shared_prefix(args: argparse.Namespace) -> int:
-    from rung.runtime.cli import build_llm
-
+def run_shared_prefix(args: argparse.Namespace, build_llm: Callable[..., LLM]) -> int:
+    """``build_llm(args)``: the CLI's engine builder (bench sits below the CLI)."""
     _check_args(args)
     ns = copy.copy(args)
     need = args.shared_prefix + args.suffix_len + args.output_len

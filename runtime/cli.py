@@ -356,7 +356,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if getattr(args, "shared_prefix", None) is not None:
         from rung.bench.prefix import run_shared_prefix
 
-        return run_shared_prefix(args)
+        return run_shared_prefix(args, build_llm)
     if args.data_parallel_size > 1:
         from rung.bench.dp_latency import run_dp_latency
 
