@@ -19,6 +19,12 @@ PRESETS: dict[str, dict] = {
     "bench-llama": {**_LLAMA_BASE, "vocab_size": 8192, "hidden_size": 512,
                     "intermediate_size": 1408, "num_hidden_layers": 8,
                     "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64},
+    # SmolLM2-135M's shapes (30 layers, 9 query / 3 KV heads) with random weights: the
+    # small-model decode target of bench/gpu_check.sh, no download needed.
+    "bench-llama-30l": {**_LLAMA_BASE, "vocab_size": 49152, "hidden_size": 576,
+                        "intermediate_size": 1536, "num_hidden_layers": 30,
+                        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                        "tie_word_embeddings": True},
     # Gemma 4 (dense, text): 5 sliding layers (window 16, head_dim 32), then 1 full layer
     # (head_dim 64); other fields take HF's Gemma4TextConfig defaults. Norm weights stay 1:
     # Gemma 4 scales by the weight itself (no 1 + w), so 1 is the identity.

@@ -1,0 +1,77 @@
+"""bench/gpu_check.sh --dry-run installs rung offline into a fresh venv that already has
+torch (no index, no deps, no build isolation), leaves torch alone, and prints its plan."""
+
+import json
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_SKIP = shutil.ignore_patterns(".venv", ".git", "__pycache__", "out", "*.egg-info", "build")
+
+
+def _fresh_venv(path: Path) -> Path:
+    """A venv without pip whose packages are this interpreter's (torch included) - but
+    not rung: .pth files in a directory added by a .pth line are never run."""
+    venv.EnvBuilder(with_pip=False).create(path)
+    parents = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+    site = Path(sysconfig.get_path("purelib", vars={"base": str(path)}))
+    (site / "parent_env.pth").write_text("\n".join(parents) + "\n")
+    return path / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gpu_check")
+    src = tmp / "src"
+    shutil.copytree(ROOT, src, ignore=_SKIP, symlinks=True)
+    python = _fresh_venv(tmp / "venv")
+    assert subprocess.run([python, "-c", "import rung"], capture_output=True).returncode != 0
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(python), "HOME": str(tmp),
+           # NOTE: pip would otherwise try to replace a rung it sees on the parent path
+           "PIP_IGNORE_INSTALLED": "1"}
+    proc = subprocess.run(["bash", "bench/gpu_check.sh", str(tmp / "out"), "--dry-run"],
+                          cwd=src, env=env, capture_output=True, text=True, timeout=240)
+    return proc, python, src, tmp / "out"
+
+
+def test_dry_run_prints_plan_and_installs(dry_run):
+    proc, _, _, out = dry_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "stage plan" in proc.stdout
+    for stage in ("versions", "install", "kernels", "graph-tests", "capture", "latency"):
+        assert f"\n  {stage}" in proc.stdout, stage
+    limits = sum(s["limit_s"] for s in json.loads((out / "gpu_check.json").read_text())["stages"])
+    assert limits <= 8 * 60
+    assert "flash-attn is not installed: FLASH_ATTN tests skip" in proc.stdout
+    assert "untouched" in proc.stdout
+    verdicts = {s["stage"]: s["verdict"] for s in
+                json.loads((out / "gpu_check.json").read_text())["stages"]}
+    assert verdicts == {"versions": "PASS", "install": "PASS", "kernels": "SKIPPED",
+                        "graph-tests": "SKIPPED", "capture": "SKIPPED", "latency": "SKIPPED"}
+
+
+def _fresh_setuptools_builds_editables(python: Path) -> bool:
+    """setuptools >= 70.1 builds an editable wheel without the `wheel` package."""
+    code = "import setuptools; print(setuptools.__version__)"
+    got = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    major, minor = (int(x) for x in got.stdout.split(".")[:2])
+    return (major, minor) >= (70, 1)
+
+
+def test_rung_imports_from_the_install(dry_run):
+    proc, python, src, out = dry_run
+    assert "--no-index --no-deps" in (src / "bench" / "gpu_check.sh").read_text()
+    shim = (out / "pythonpath").read_text().strip()
+    if _fresh_setuptools_builds_editables(python):
+        assert shim == "", (out / "install.log").read_text()   # pip itself installed it
+    env = {"PYTHONPATH": shim} if shim else {}
+    got = subprocess.run([python, "-c", "import rung.runtime.engine as e; print(e.__file__)"],
+                         capture_output=True, text=True, cwd="/", env=env)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip().startswith(str(src if not shim else shim)), got.stdout
