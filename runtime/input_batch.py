@@ -28,23 +28,62 @@ class BatchLayout:
     num_logits_per_req: list[int]  # 0 (prefill chunk), 1, or 1 + num_spec_tokens
 
 
-class HostDevicePair:
-    """A numpy host buffer and the device tensor graphs read (the same memory on CPU)."""
+class HostCopyFence:
+    """Orders host writes of pinned buffers after the async copies that read them.
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, device: torch.device) -> None:
+    NOTE: ``sync()`` copies pinned host memory with ``non_blocking=True``; writing that
+    memory again before the copy ran would send the NEXT step's values. ``record()`` after
+    the copies, ``wait()`` before any host write (vLLM's ``prepare_inputs_event``). A step
+    that samples nothing (a chunk of a long prompt) has no other host sync to hide behind.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._on_device = device.type != "cpu"
+        self.event = None            # a torch.cuda.Event, made at the first record
+        self._pending = False
+
+    def record(self) -> None:
+        if not self._on_device:
+            return
+        if self.event is None:
+            self.event = torch.cuda.Event()
+        self.event.record()
+        self._pending = True
+
+    def wait(self) -> None:
+        if self._pending:
+            self.event.synchronize()
+            self._pending = False
+
+
+class HostDevicePair:
+    """A numpy host buffer and the device tensor graphs read (the same memory on CPU).
+
+    ``np`` waits for this pair's in-flight copy first, so no host write can race it.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, device: torch.device,
+                 fence: HostCopyFence | None = None) -> None:
         # NOTE: pinned host memory on CUDA, so the per-step copy is truly asynchronous
         host = torch.from_numpy(np.zeros(shape, dtype=dtype))
         if device.type != "cpu":
             host = host.pin_memory()
-        self.np = host.numpy()
+        self._np = host.numpy()
         self._host = host
         self._on_device = device.type != "cpu"
+        self.fence = fence if fence is not None else HostCopyFence(device)
         self.gpu = host if device.type == "cpu" else torch.empty_like(host, device=device)
+
+    @property
+    def np(self) -> np.ndarray:
+        self.fence.wait()
+        return self._np
 
     def sync(self, rows: int) -> None:
         """Copy the first ``rows`` to the device (nothing to do on CPU: same memory)."""
         if self._on_device:
             self.gpu[:rows].copy_(self._host[:rows], non_blocking=True)
+            self.fence.record()
 
 
 class PaddedBatch:
@@ -60,7 +99,8 @@ class PaddedBatch:
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
         self.block_size = block_size
-        pair = lambda shape, dt: HostDevicePair(shape, dt, device)
+        self.copy_fence = HostCopyFence(device)      # shared: one event per step
+        pair = lambda shape, dt: HostDevicePair(shape, dt, device, self.copy_fence)
         self.input_ids = pair((max_num_tokens,), np.int64)        # [max_num_tokens]
         self.positions = pair((max_num_tokens,), np.int64)        # [max_num_tokens]
         self.query_start_loc = pair((max_num_reqs + 1,), np.int32)  # [max_num_reqs + 1]
