@@ -262,7 +262,7 @@ def mode_summary(engine: LLMEngine, label: str, max_num_reqs: int) -> dict[str, 
         return summary
     summary.update(cudagraph_mode=graphs.mode.value, num_graphs=len(graphs.records),
                    capture_s=sum(r.seconds for r in graphs.records),
-                   capture_bytes=sum(r.nbytes for r in graphs.records),
+                   capture_bytes=graphs.pool_bytes,
                    capture_sizes=list(graphs.dispatcher.sizes),
                    ladder_padding_waste=ladder_padding_waste(
                        graphs.dispatcher.padded_size, max_num_reqs,

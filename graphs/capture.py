@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import gc
-from typing import Callable, Sequence
+import logging
+from typing import Any, Callable, Sequence
 
 import torch
 
 from rung.core.errors import ContractError
 
 Outputs = torch.Tensor | tuple
+
+logger = logging.getLogger(__name__)
 
 
 class CapturedGraph:
@@ -69,6 +72,8 @@ class EmulatedGraphBackend:
 
     def __init__(self, poison_hook: Callable[[], None] | None = None) -> None:
         self.poison_hook = poison_hook
+        self.pool_bytes = 0           # static output buffers held, all graphs
+        self.kernel_nodes_note = "no CUDA graph: nothing to count"
 
     def capture(self, fn: Callable[..., Outputs], inputs: Sequence) -> CapturedGraph:
         fn(*inputs)                                       # warm-up, as on CUDA
@@ -76,6 +81,7 @@ class EmulatedGraphBackend:
         outputs = tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in outputs) \
             if isinstance(outputs, tuple) else outputs.clone()
         nbytes = sum(t.numel() * t.element_size() for t in _flat(outputs))
+        self.pool_bytes += nbytes
         return EmulatedGraph(fn, inputs, outputs, nbytes, self.poison_hook)
 
 
@@ -90,48 +96,131 @@ class CudaGraph(CapturedGraph):
         return self.outputs
 
 
+class PoolMeter:
+    """Capture memory: what each capture added to the shared graph pool, and its total.
+
+    NOTE: ``torch.cuda.graph`` empties the allocator cache on entry, so a change in
+    reserved memory read without emptying it first comes out 0 or negative. Every reading
+    here empties the cache first: what stays reserved is live tensors and graph pools.
+    The pool is shared, so a later graph may reuse blocks an earlier one freed and add
+    nothing: its figure is 0, and the figures sum to what captures added to the pool.
+    """
+
+    def __init__(self, read_reserved: Callable[[], int],
+                 read_pool: Callable[[], int] | None = None) -> None:
+        self._read_reserved = read_reserved
+        self._read_pool = read_pool
+        self.per_graph: list[int] = []
+
+    def measure(self, capture: Callable[[], "CudaGraph"]) -> "CudaGraph":
+        before = self._read_reserved()
+        graph = capture()
+        graph.nbytes = self._read_reserved() - before
+        self.per_graph.append(graph.nbytes)
+        return graph
+
+    @property
+    def total_bytes(self) -> int:
+        """The pool's own segments when they can be read, else the sum of the growths."""
+        return self._read_pool() if self._read_pool is not None else sum(self.per_graph)
+
+
+def _reserved_after_emptying() -> int:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+def pool_bytes(segments: Sequence[dict], pool: tuple[int, int]) -> int:
+    """Bytes of the segments (``torch.cuda.memory_snapshot()``) that belong to ``pool``."""
+    return sum(seg["total_size"] for seg in segments
+               if tuple(seg.get("segment_pool_id", ())) == tuple(pool))
+
+
 class CudaGraphBackend:
-    """torch.cuda.CUDAGraph with one memory pool shared by every size (target and draft)."""
+    """torch.cuda.CUDAGraph with one memory pool shared by every size (target and draft).
+
+    Warm-up and capture run on ONE side stream: library state made lazily per stream
+    (cuBLAS workspaces) is created by the warm-up, not inside the first capture.
+    """
 
     name = "cuda"
 
     def __init__(self, pool=None) -> None:
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream()
+        self.meter = PoolMeter(_reserved_after_emptying,
+                               lambda: pool_bytes(torch.cuda.memory_snapshot(), self.pool))
+        self.kernel_nodes_note: str | None = None     # why counts are missing, if they are
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.meter.total_bytes
 
     def capture(self, fn: Callable[..., Outputs], inputs: Sequence) -> CapturedGraph:
-        torch.cuda.synchronize()
-        fn(*inputs)                                       # warm-up outside the graph
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        before = torch.cuda.memory_reserved()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            fn(*inputs)                                   # warm-up, on the capture stream
+        self.stream.synchronize()
+        captured = self.meter.measure(lambda: self._capture(fn, inputs))
+        captured.num_kernel_nodes = self._count_nodes(captured.graph)
+        return captured
+
+    def _capture(self, fn: Callable[..., Outputs], inputs: Sequence) -> "CudaGraph":
+        # NOTE: keep_graph keeps the cudaGraph_t so its kernel nodes can be counted;
+        # instantiate() then builds the executable now, not at the first replay.
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
         gc_was_enabled = gc.isenabled()
         gc.disable()                                      # NOTE: gc during capture can free
         try:                                              # tensors the graph still uses
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 outputs = fn(*inputs)
         finally:
             if gc_was_enabled:
                 gc.enable()
-        torch.cuda.synchronize()
-        captured = CudaGraph(graph, inputs, outputs, torch.cuda.memory_reserved() - before)
-        captured.num_kernel_nodes = _count_kernel_nodes(graph)
-        return captured
+        graph.instantiate()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return CudaGraph(graph, inputs, outputs, 0)
+
+    def _count_nodes(self, graph: torch.cuda.CUDAGraph) -> int | None:
+        try:
+            from cuda.bindings import runtime as cudart  # type: ignore
+        except ImportError as exc:
+            return self._no_count(f"cuda-bindings is not importable ({exc})")
+        try:
+            return count_kernel_nodes(graph.raw_cuda_graph(), cudart)
+        except Exception as exc:  # noqa: BLE001 - a counting aid, never a reason to fail
+            return self._no_count(f"{type(exc).__name__}: {exc}")
+
+    def _no_count(self, why: str) -> None:
+        if self.kernel_nodes_note is None:
+            logger.warning("kernel-node counts unavailable: %s", why)
+        self.kernel_nodes_note = why
+        return None
 
 
-def _count_kernel_nodes(graph: torch.cuda.CUDAGraph) -> int | None:
-    """Kernel nodes in a captured graph, when cuda-python is installed."""
-    try:
-        from cuda.bindings import runtime as cudart  # type: ignore
-    except ImportError:
-        return None
-    try:
-        raw = graph.raw_cuda_graph()
-        err, nodes, count = cudart.cudaGraphGetNodes(raw, None, 0)
-        err, nodes, count = cudart.cudaGraphGetNodes(raw, None, count)
-        kernel = cudart.cudaGraphNodeType.cudaGraphNodeTypeKernel
-        return sum(1 for n in nodes if cudart.cudaGraphNodeGetType(n)[1] == kernel)
-    except Exception:  # noqa: BLE001 - a counting aid, never a reason to fail capture
-        return None
+def count_kernel_nodes(raw_graph: int, cudart: Any) -> int:
+    """Kernel nodes of a cudaGraph_t, through cuda-bindings' runtime module.
+
+    cuda-bindings' ``cudaGraphGetNodes(graph, numNodes=0)`` returns (err, nodes, count):
+    first the count, then that many nodes.
+    """
+    err, _, num_nodes = cudart.cudaGraphGetNodes(raw_graph, numNodes=0)
+    _check(cudart, err, "cudaGraphGetNodes")
+    err, nodes, _ = cudart.cudaGraphGetNodes(raw_graph, numNodes=num_nodes)
+    _check(cudart, err, "cudaGraphGetNodes")
+    kernel = cudart.cudaGraphNodeType.cudaGraphNodeTypeKernel
+    count = 0
+    for node in nodes[:num_nodes]:
+        err, node_type = cudart.cudaGraphNodeGetType(node)
+        _check(cudart, err, "cudaGraphNodeGetType")
+        count += node_type == kernel
+    return count
+
+
+def _check(cudart: Any, err: Any, call: str) -> None:
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"{call} returned {err}")
 
 
 def make_capture_backend(name: str, device: torch.device,

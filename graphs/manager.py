@@ -84,6 +84,11 @@ class GraphManager:
     def mode(self) -> CUDAGraphMode:
         return self.dispatcher.mode
 
+    @property
+    def pool_bytes(self) -> int:
+        """What the capture pool holds for every graph captured so far (target and draft)."""
+        return self.capture_backend.pool_bytes
+
     def dispatch(self, num_reqs: int, num_tokens: int, uniform_query_len: int | None,
                  num_tokens_across_dp: tuple[int, ...] | None = None
                  ) -> BatchExecutionDescriptor:

@@ -61,7 +61,8 @@ def run_warmup(args: argparse.Namespace, build_llm: Callable) -> int:
         "model": args.model, "mode": graphs.mode.name,
         "capture_backend": graphs.capture_backend.name,
         "capture_sizes": graphs.dispatcher.sizes, "trace_seconds": graphs.trace_seconds,
-        "graphs": records, "draft_capture_sizes": draft_sizes, "draft_graphs": draft}
+        "graphs": records, "draft_capture_sizes": draft_sizes, "draft_graphs": draft,
+        "pool_bytes": graphs.pool_bytes}
     elapsed = time.perf_counter() - start
     if not records and not draft:
         why = ("cudagraph mode NONE" if graphs.mode == CUDAGraphMode.NONE
@@ -74,6 +75,10 @@ def run_warmup(args: argparse.Namespace, build_llm: Callable) -> int:
               f"backend {graphs.capture_backend.name}, {elapsed:.1f} s total, of which "
               f"one-time tracing {graphs.trace_seconds:.1f} s (not in any row)")
         print(_table(records, draft, graphs.dispatcher.sizes, draft_sizes))
+        print(f"capture pool holds {graphs.pool_bytes / 2**20:.1f} MiB")
+        note = getattr(graphs.capture_backend, "kernel_nodes_note", None)
+        if note and all(r["num_kernel_nodes"] is None for r in records + draft):
+            print(f"kernel_nodes '-': {note}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -48,12 +48,15 @@ def test_numbers_are_positive_and_ratios_present(report):
 def test_full_mode_replays_captured_graphs(report):
     full = [r for r in report["records"] if r["mode"] == "full"]
     assert [r["graph"] for r in full] == ["FULL:1", "FULL:2"]
-    assert all(r["capture_ms"] > 0 and r["capture_bytes"] > 0 for r in full)
+    # NOTE: graphs share one pool, so a graph that reuses freed blocks adds 0 bytes; the
+    # pool as a whole holds something.
+    assert all(r["capture_ms"] > 0 and r["capture_bytes"] >= 0 for r in full)
     eager = [r for r in report["records"] if r["mode"] == "none"]
     assert all(r["graph"] is None and r["capture_ms"] is None for r in eager)
     modes = {m["mode"]: m for m in report["modes"]}
     assert modes["full"]["cudagraph_mode"] == "full_decode_only"
     assert modes["full"]["num_graphs"] == 2
+    assert modes["full"]["capture_bytes"] > 0 and modes["none"]["capture_bytes"] == 0
 
 
 @pytest.mark.parametrize("extra, message", [
