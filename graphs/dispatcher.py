@@ -87,7 +87,16 @@ class Dispatcher:
                 out[(desc.mode, size)] = desc
         for uniform in full_uniform:
             for size in reversed(self.sizes):
-                rows = self.full_graph_rows(size, uniform)
-                out.setdefault((CUDAGraphMode.FULL, size, rows),
-                               BatchExecutionDescriptor(CUDAGraphMode.FULL, 0, rows, 0, size))
+                # NOTE: a uniform graph's descriptor keeps its query length (0 requests x
+                # uniform = 0 tokens holds), so its metadata is decode-shaped.
+                desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, 0,
+                                                self.full_graph_rows(size, uniform), 0, size,
+                                                uniform)
+                out[self.full_graph_key(desc)] = desc
         return list(out.values())
+
+    def full_graph_key(self, desc: BatchExecutionDescriptor) -> tuple[int, int, bool]:
+        """(tokens, rows, uniform decode?): a uniform graph is captured with decode-shaped
+        metadata (max_query_len 1 or 1 + k), so a mixed batch never replays it."""
+        return (desc.num_tokens_padded, desc.num_reqs_padded,
+                self.is_uniform_decode(desc.uniform_query_len))

@@ -67,8 +67,9 @@ class GraphManager:
                                                     self._poison_pads if poison else None)
         self.compiled = (compile_model(runner.model, self, piece_compiler)
                          if mode.has_piecewise() else None)
-        # (TARGET or a drafter's name, num_tokens_padded, num_reqs_padded) -> FULL graph
-        self.full_graphs: dict[tuple[str, int, int], CapturedGraph] = {}
+        # (TARGET or a drafter's name, num_tokens_padded, num_reqs_padded, uniform decode?)
+        # -> FULL graph
+        self.full_graphs: dict[tuple[str, int, int, bool], CapturedGraph] = {}
         self.capturing = False
         self.records: list[CaptureRecord] = []
         self.trace_seconds = 0.0      # one-time torch.compile tracing, not in any record
@@ -128,7 +129,7 @@ class GraphManager:
             else:
                 graph = self.capture_backend.capture(
                     self._full_forward, self._full_inputs(ids, positions, ctx))
-                self.full_graphs[(TARGET, desc.num_tokens_padded, desc.num_reqs_padded)] = graph
+                self.full_graphs[self._graph_key(TARGET, desc)] = graph
                 nbytes, nodes = graph.nbytes, graph.num_kernel_nodes
         if self._traced_at is not None:
             # NOTE: tracing happens once (or on a recompile); charging it to the graph
@@ -158,7 +159,7 @@ class GraphManager:
         self._poisoners[name] = poison
         with torch.inference_mode():
             graph = self.capture_backend.capture(fn, inputs)
-        self.full_graphs[(name, desc.num_tokens_padded, desc.num_reqs_padded)] = graph
+        self.full_graphs[self._graph_key(name, desc)] = graph
         record = CaptureRecord(f"{name.upper()}_FULL", desc.num_tokens_padded,
                                desc.num_reqs_padded, time.perf_counter() - start,
                                graph.nbytes, graph.num_kernel_nodes, name)
@@ -167,10 +168,15 @@ class GraphManager:
             progress(record)
         return record
 
+    def _graph_key(self, name: str, desc: BatchExecutionDescriptor) -> tuple[str, int, int, bool]:
+        """A uniform decode graph has decode-shaped metadata: a mixed batch of the same
+        size never replays it (see Dispatcher.full_graph_key)."""
+        return (name, *self.dispatcher.full_graph_key(desc))
+
     def replay(self, name: str, desc: BatchExecutionDescriptor,
                inputs: Sequence[torch.Tensor]) -> Outputs:
         """Replay the FULL graph ``name`` captured for ``desc``'s padded size."""
-        graph = self.full_graphs[(name, desc.num_tokens_padded, desc.num_reqs_padded)]
+        graph = self.full_graphs[self._graph_key(name, desc)]
         self._replaying = name
         try:
             return graph.replay(inputs)

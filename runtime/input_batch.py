@@ -95,8 +95,10 @@ class PaddedBatch:
     """
 
     def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int,
-                 num_kv_groups: int, block_size: int, device: torch.device) -> None:
+                 num_kv_groups: int, block_size: int, device: torch.device,
+                 decode_query_len: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
+        self.decode_query_len = decode_query_len     # 1, or 1 + k under spec decode
         self.max_num_tokens = max_num_tokens
         self.block_size = block_size
         self.copy_fence = HostCopyFence(device)      # shared: one event per step
@@ -286,6 +288,18 @@ class InputBatch(PaddedBatch):
             desc.num_reqs_padded - desc.num_reqs)
         super().pad(desc)
 
+    def _max_query_len(self, desc: BatchExecutionDescriptor, layout: BatchLayout) -> int:
+        """The bound a kernel sizes its query tiles by (and FA picks its decode path by).
+
+        NOTE: a FULL graph replays for every later batch of its size: a uniform decode /
+        verify graph holds 1 or 1 + k per request, any other FULL graph up to all tokens.
+        """
+        if desc.mode != CUDAGraphMode.FULL:
+            return layout.max_query_len
+        if desc.uniform_query_len == self.decode_query_len:
+            return self.decode_query_len
+        return desc.num_tokens_padded
+
     def common_metadata(self, desc: BatchExecutionDescriptor, layout: BatchLayout,
                         max_model_len: int) -> list[CommonAttentionMetadata]:
         """One CommonAttentionMetadata per KV cache group, views sliced by ``desc``."""
@@ -293,7 +307,7 @@ class InputBatch(PaddedBatch):
         # NOTE: under a FULL graph the kernel must read up to max_model_len keys: the
         # same graph replays for every later (longer) batch of this size.
         max_seq_len = max_model_len if full_graph else layout.max_seq_len
-        max_query_len = desc.num_tokens_padded if full_graph else layout.max_query_len
+        max_query_len = self._max_query_len(desc, layout)
         return self.metadata_views(desc, max_query_len, max_seq_len)
 
 

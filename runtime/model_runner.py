@@ -69,7 +69,8 @@ class ModelRunner:
         max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.input_batch = InputBatch(config.max_num_seqs, max_num_tokens,
                                       math.ceil(max_model_len / config.block_size),
-                                      len(self.kv_groups), config.block_size, config.device)
+                                      len(self.kv_groups), config.block_size, config.device,
+                                      decode_query_len=1 + config.num_spec_tokens)
         self.sampler = Sampler(config.seed)
         self.graphs: GraphManager | None = None      # see use_graphs; None runs eagerly
         self._poison_rng = np.random.default_rng(config.seed)
