@@ -15,10 +15,12 @@ from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.graph_mode import CUDAGraphMode
 from rung.graphs.ladder import capture_sizes
 from rung.graphs.manager import TARGET, CaptureRecord, GraphManager
+from rung.kernels.triton.variants import KERNEL_VARIANTS
 from rung.models.loader import LoadedModel, load_model
 from rung.models.moe import shard_experts
 from rung.runtime.config import EngineConfig
 from rung.runtime.data_parallel import DataParallelGroup, DPStep, init_data_parallel
+from rung.runtime.kernel_warmup import sweep_attention_shapes
 from rung.runtime.kv_cache_manager import KVCacheManager
 from rung.runtime.log import configure_logging
 from rung.runtime.model_runner import ModelRunner, ModelRunnerOutput
@@ -89,6 +91,8 @@ class LLMEngine:
             logger.info("enforce_eager: no graphs, every step runs eagerly")
         else:
             self._capture_graphs(capture_progress)
+        sweep_attention_shapes(self.runner)
+        self._jit_variants_at_warmup = KERNEL_VARIANTS.count()
 
     # --- start-up -------------------------------------------------------------------------
     def _log_setup(self) -> None:
@@ -131,7 +135,7 @@ class LLMEngine:
                     len(graphs.records) - len(draft),
                     f" + {len(draft)} draft graphs" if draft else "",
                     time.perf_counter() - start, graphs.trace_seconds,
-                    sum(r.nbytes for r in graphs.records) / 2**20)
+                    graphs.pool_bytes / 2**20)
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
@@ -448,7 +452,10 @@ class LLMEngine:
              "graph_replays": dict(self.graph_replays),
              "preemptions": self._stats["preemptions"],
              "num_running": len(self.scheduler.running),
-             "num_waiting": len(self.scheduler.waiting)}
+             "num_waiting": len(self.scheduler.waiting),
+             # kernel variants JIT-compiled after warm-up: 0 in a healthy serving run
+             "triton_compiles_after_warmup":
+                 KERNEL_VARIANTS.count() - self._jit_variants_at_warmup}
         if self.spec_stats is not None:
             s["spec"] = self.spec_stats.as_dict()
         if self.dp is not None:

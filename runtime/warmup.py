@@ -77,7 +77,7 @@ def run_warmup(args: argparse.Namespace, build_llm: Callable) -> int:
         print(_table(records, draft, graphs.dispatcher.sizes, draft_sizes))
         print(f"capture pool holds {graphs.pool_bytes / 2**20:.1f} MiB")
         note = getattr(graphs.capture_backend, "kernel_nodes_note", None)
-        if note and all(r["num_kernel_nodes"] is None for r in records + draft):
+        if note and all(r.get("num_kernel_nodes") is None for r in records + draft):
             print(f"kernel_nodes '-': {note}")
     if args.json:
         with open(args.json, "w") as f:

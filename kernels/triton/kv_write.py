@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from rung.core.errors import ContractError
+from rung.kernels.triton.variants import KERNEL_VARIANTS
 
 
 @triton.jit
@@ -56,11 +57,19 @@ def kv_write(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             f"{num_tokens_padded}")
     if num_tokens_padded == 0:
         return
-    _kv_write_kernel[(num_tokens_padded,)](
-        key, value, kv_cache, slot_mapping,
-        *key.stride(), *value.stride(), *kv_cache.stride(),
-        kv_cache.shape[2],
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_P=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM_P=triton.next_power_of_2(head_dim),
-    )
+    args = (key, value, kv_cache, slot_mapping, *key.stride(), *value.stride(),
+            *kv_cache.stride(), kv_cache.shape[2])
+    constexprs = dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                      HEADS_P=triton.next_power_of_2(num_kv_heads),
+                      HEAD_DIM_P=triton.next_power_of_2(head_dim))
+    if _interpreted():
+        KERNEL_VARIANTS.note_launch("kv_write", args, constexprs)
+    _kv_write_kernel[(num_tokens_padded,)](*args, **constexprs)
+
+
+def _interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(_kv_write_kernel, InterpretedFunction)
+
+
+KERNEL_VARIANTS.register("kv_write", _kv_write_kernel)

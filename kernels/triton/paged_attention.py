@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from rung.core.errors import ContractError
+from rung.kernels.triton.variants import KERNEL_VARIANTS
 
 
 @triton.jit
@@ -62,7 +63,9 @@ def _zero_pad_tokens(out_ptr, stride_ot, stride_oh, stride_od, qsl_ptr, tile, kv
     tl.store(dst, zeros, mask=ok[:, None] & (dims[None, :] < HEAD_DIM))
 
 
-@triton.jit
+# NOTE: counts change every step; specialised (==1, %16) they would compile new variants
+# mid-serving. Everything else is fixed by the model and the config.
+@triton.jit(do_not_specialize=["num_tokens_padded", "num_reqs_padded", "num_q_tiles"])
 def _paged_attention_kernel(
     q_ptr, stride_qt, stride_qh, stride_qd,
     out_ptr, stride_ot, stride_oh, stride_od,
@@ -161,13 +164,32 @@ def _interpreted() -> bool:
 
 
 def _tile_sizes(group_p: int, head_dim_p: int, max_query_len: int) -> tuple[int, int]:
-    """(BLOCK_Q, TILE). Any BLOCK_Q is correct; max_query_len only picks a good one."""
+    """(BLOCK_Q, TILE). Any BLOCK_Q is correct; max_query_len only picks a good one.
+
+    NOTE: BLOCK_Q takes one value per power of two of max_query_len up to 64 rows, so
+    warm-up that runs query lengths 1, 2, 4, ..., 64 compiles every variant
+    (``WARMUP_QUERY_LENS``).
+    """
     max_rows = 64 if head_dim_p <= 128 else 32
     min_q = max(1, 16 // group_p)          # tl.dot wants at least 16 rows
     block_q = max(min_q, min(triton.next_power_of_2(max(max_query_len, 1)),
                              max_rows // group_p))
     tile = 32 if head_dim_p <= 128 else 16
     return block_q, tile
+
+
+WARMUP_QUERY_LENS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def search_steps(query_start_loc: torch.Tensor) -> int:
+    """Binary-search steps that cover the buffer ``query_start_loc`` is a view of.
+
+    NOTE: rung's query_start_loc is a view of a persistent buffer of max_num_seqs + 1
+    rows, so this is a config limit, the same every step (one kernel variant); extra
+    steps are harmless (the search stays put once its range is one row).
+    """
+    rows = query_start_loc.untyped_storage().nbytes() // query_start_loc.element_size()
+    return max(rows - 1, query_start_loc.shape[0] - 1, 1).bit_length()
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
@@ -204,15 +226,20 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.T
     grid = (num_q_tiles + num_pad_tiles, num_kv_heads)
     # NOTE: the interpreter's tl.dot multiplies bf16 / fp16 storage bits as integers, so
     # it gets fp32 operands. fp32 dots use "ieee": TF32 would miss the fp32 tolerance.
-    dot_dtype = tl.float32 if _interpreted() else _TL_DTYPES[query.dtype]
-    _paged_attention_kernel[grid](
-        query, *query.stride(), output, *output.stride(), kv_cache, *kv_cache.stride(),
-        query_start_loc, seq_lens, block_table, *block_table.stride(),
-        float(scale), float(logit_softcap or 0.0), int(sliding_window or 0),
-        num_tokens_padded, num_reqs_padded, num_q_tiles, block_size,
+    interpreted = _interpreted()
+    dot_dtype = tl.float32 if interpreted else _TL_DTYPES[query.dtype]
+    args = (query, *query.stride(), output, *output.stride(), kv_cache, *kv_cache.stride(),
+            query_start_loc, seq_lens, block_table, *block_table.stride(),
+            float(scale), float(logit_softcap or 0.0), int(sliding_window or 0),
+            num_tokens_padded, num_reqs_padded, num_q_tiles, block_size)
+    constexprs = dict(
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         HEAD_DIM_P=head_dim_p, TILE=tile, USE_WINDOW=sliding_window is not None,
-        USE_SOFTCAP=bool(logit_softcap), SEARCH_STEPS=num_reqs_padded.bit_length(),
-        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,
-        num_warps=8 if head_dim_p >= 256 else 4,
-    )
+        USE_SOFTCAP=bool(logit_softcap), SEARCH_STEPS=search_steps(query_start_loc),
+        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None)
+    if interpreted:
+        KERNEL_VARIANTS.note_launch("paged_attention", args, constexprs)
+    _paged_attention_kernel[grid](*args, **constexprs, num_warps=8 if head_dim_p >= 256 else 4)
+
+
+KERNEL_VARIANTS.register("paged_attention", _paged_attention_kernel)
