@@ -80,18 +80,62 @@ class PiecewiseBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         split, attention_pieces = split_at_attention(gm)
-        pieces = [(n, m) for n, m in split.named_children() if n not in attention_pieces]
-        for index, (name, module) in enumerate(pieces):
-            setattr(split, name, PiecewiseRunner(self._compile_piece(module), index,
-                                                 self.manager))
-        self.num_pieces = len(pieces)
+        names = [n for n, _ in split.named_children() if n not in attention_pieces]
+        compiled = (piece_example_inputs(split, names, example_inputs)
+                    if self.piece_compiler == "inductor" else {})
+        for index, name in enumerate(names):
+            module = getattr(split, name)
+            fn = compile_piece(module, compiled[name]) if name in compiled else module
+            setattr(split, name, PiecewiseRunner(fn, index, self.manager))
+        self.num_pieces = len(names)
         self.manager.note_traced()
         return split
 
-    def _compile_piece(self, module: fx.GraphModule) -> Callable[..., Any]:
-        if self.piece_compiler == "inductor":
-            return torch.compile(module, backend="inductor", dynamic=True)
-        return module
+
+def compile_piece(piece: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+    """One piece through inductor's compile entry point, as vLLM compiles its pieces.
+
+    ``example_inputs``: the piece's arguments as met on the fake inputs dynamo traced
+    with (fake tensors and SymInts), so the piece keeps the symbolic token count.
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    compiled = compile_fx(piece, example_inputs)
+
+    def run(*args: Any) -> Any:
+        outputs = compiled(*args)
+        # NOTE: a piece with several outputs comes back as a list; callers (and capture
+        # backends) expect the tuple the FX piece returns.
+        return tuple(outputs) if isinstance(outputs, list) else outputs
+
+    return run
+
+
+class _PieceArguments(fx.Interpreter):
+    """Runs the split graph on fake inputs, noting each named piece's arguments."""
+
+    def __init__(self, split: fx.GraphModule, names: list[str]) -> None:
+        super().__init__(split)
+        self.names = set(names)
+        self.seen: dict[str, list] = {}
+
+    def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
+        if target in self.names:
+            self.seen[target] = list(args)
+        return super().call_module(target, args, kwargs)
+
+
+def piece_example_inputs(split: fx.GraphModule, names: list[str],
+                         example_inputs: list) -> dict[str, list]:
+    """piece name -> its example arguments, from dynamo's (fake) example inputs."""
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    # NOTE: dynamo hands lifted parameters and buffers over as real tensors
+    fake_inputs = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                   for t in example_inputs]
+    interpreter = _PieceArguments(split, names)
+    with fake_mode:
+        interpreter.run(*fake_inputs)
+    return interpreter.seen
 
 
 def compile_model(model: nn.Module, manager: GraphManager, piece_compiler: str
