@@ -64,8 +64,9 @@ def _first_violation(log: list) -> int | None:
 def _run(instrumented: bool) -> tuple[list[int], list]:
     # NOTE: a prompt over 2x the token budget gives chunked-prefill steps in a row that
     # sample nothing, so no logits copy or .tolist() syncs the host between them.
+    # NOTE: CPU even on a CUDA machine: the twin's "device" tensors are CPU clones
     llm = LLM("tiny-llama", max_num_seqs=2, max_num_batched_tokens=16, max_model_len=128,
-              enforce_eager=True)
+              enforce_eager=True, device="cpu")
     log: list = []
     if instrumented:
         _instrument(llm.engine.runner.input_batch, log)

@@ -38,11 +38,12 @@ def test_serving_compiles_nothing_after_warmup(engine_args):
 def test_the_counter_sees_a_new_variant():
     llm = LLM("tiny-llama", **ENGINE, enforce_eager=True)
     before = llm.engine.stats()["triton_compiles_after_warmup"]
-    query = torch.randn(3, 4, 32)                   # head_dim 32: no layer of the model
-    cache = torch.zeros(2, 4, 16, 2, 32)
-    paged_attention(query, cache, torch.empty_like(query),
-                    torch.tensor([0, 3], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
-                    torch.tensor([[1]], dtype=torch.int32), 3, 0.1)
+    device = llm.engine.runner.device
+    query = torch.randn(3, 4, 32, device=device)    # head_dim 32: no layer of the model
+    cache = torch.zeros(2, 4, 16, 2, 32, device=device)
+    ints = lambda values: torch.tensor(values, dtype=torch.int32, device=device)
+    paged_attention(query, cache, torch.empty_like(query), ints([0, 3]), ints([3]), ints([[1]]),
+                    3, 0.1)
     assert llm.engine.stats()["triton_compiles_after_warmup"] == before + 1
 
 
@@ -50,9 +51,12 @@ def test_count_arguments_are_not_specialised():
     qsl = torch.zeros(9, dtype=torch.int32)
 
     def key(num_tokens_padded: int, num_reqs_padded: int):
-        args = (qsl,) * 15 + (1.0, 0.0, 0, num_tokens_padded, num_reqs_padded,
+        args = (qsl,) * 19 + (1.0, 0.0, 0, num_tokens_padded, num_reqs_padded,
                               num_tokens_padded + num_reqs_padded, 16)
         return specialization_key(_paged_attention_kernel, args, {"BLOCK_Q": 16})
 
     assert key(1, 1) == key(17, 3) == key(32, 16)
+    names = _paged_attention_kernel.arg_names
+    assert names[19:25] == ["scale", "softcap", "sliding_window", "num_tokens_padded",
+                            "num_reqs_padded", "num_q_tiles"]
     assert KERNEL_VARIANTS.kernels["paged_attention"] is _paged_attention_kernel
