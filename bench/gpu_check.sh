@@ -65,9 +65,9 @@ export -f versions install
 PLAN=(
   "versions|20|versions"
   "install|60|install"
-  "kernels|110|$PYTEST tests/test_triton_kernels.py tests/test_flash_attn_backend.py"
-  "graph-tests|120|$PYTEST tests/test_graph_replay.py tests/test_graph_ladder.py tests/test_descriptor_contract.py tests/test_triton_engine.py tests/test_full_uniform_metadata.py tests/test_no_jit_after_warmup.py tests/test_capture_accounting.py"
-  "capture|50|$RUNG warmup --model $MODEL --dtype bfloat16 --mode full_and_piecewise --attention-backend TRITON --max-num-seqs 32 --json $OUT_DIR/warmup.json"
+  "kernels|90|$PYTEST tests/test_triton_kernels.py tests/test_flash_attn_backend.py"
+  "graph-tests|110|$PYTEST tests/test_graph_replay.py tests/test_graph_ladder.py tests/test_descriptor_contract.py tests/test_triton_engine.py tests/test_full_uniform_metadata.py tests/test_no_jit_after_warmup.py tests/test_capture_accounting.py"
+  "capture|80|$RUNG warmup --model $MODEL --dtype bfloat16 --mode full_and_piecewise --attention-backend TRITON --max-num-seqs 32 --json $OUT_DIR/warmup.json"
   "latency|100|$RUNG bench latency --model $MODEL --dtype bfloat16 --attention-backend TRITON --batch-sizes 1,8,32 --modes none,piecewise,full --input-len 32 --output-len 32 --iters 3 --json $OUT_DIR/latency.json"
 )
 
