@@ -203,11 +203,13 @@ def count_kernel_nodes(raw_graph: int, cudart: Any) -> int:
     """Kernel nodes of a cudaGraph_t, through cuda-bindings' runtime module.
 
     cuda-bindings' ``cudaGraphGetNodes(graph, numNodes=0)`` returns (err, nodes, count):
-    first the count, then that many nodes.
+    first the count, then that many nodes. ``raw_graph`` is the address torch's
+    ``raw_cuda_graph()`` returns, wrapped in the bindings' handle type.
     """
-    err, _, num_nodes = cudart.cudaGraphGetNodes(raw_graph, numNodes=0)
+    graph = cudart.cudaGraph_t(raw_graph)
+    err, _, num_nodes = cudart.cudaGraphGetNodes(graph, numNodes=0)
     _check(cudart, err, "cudaGraphGetNodes")
-    err, nodes, _ = cudart.cudaGraphGetNodes(raw_graph, numNodes=num_nodes)
+    err, nodes, _ = cudart.cudaGraphGetNodes(graph, numNodes=num_nodes)
     _check(cudart, err, "cudaGraphGetNodes")
     kernel = cudart.cudaGraphNodeType.cudaGraphNodeTypeKernel
     count = 0

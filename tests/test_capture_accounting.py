@@ -81,13 +81,14 @@ def _fake_cudart(types_of_nodes: list[str], fail: bool = False) -> types.SimpleN
     node_type = types.SimpleNamespace(cudaGraphNodeTypeKernel="kernel")
 
     def get_nodes(graph, numNodes=0):             # cuda-bindings' signature
-        assert graph == 0xABC
+        assert graph == ("cudaGraph_t", 0xABC)
         if numNodes == 0:
             return (bad if fail else ok), None, len(types_of_nodes)
         return ok, list(range(len(types_of_nodes))) + [None] * (numNodes - len(types_of_nodes)), \
             len(types_of_nodes)
 
     return types.SimpleNamespace(
+        cudaGraph_t=lambda address: ("cudaGraph_t", address),
         cudaGraphGetNodes=get_nodes, cudaGraphNodeType=node_type,
         cudaGraphNodeGetType=lambda node: (ok, types_of_nodes[node]),
         cudaError_t=types.SimpleNamespace(cudaSuccess=ok))
