@@ -176,9 +176,10 @@ class InputBatch(PaddedBatch):
     """The target model's batch: `prepare` writes the real rows of a scheduler output."""
 
     def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int,
-                 num_kv_groups: int, block_size: int, device: torch.device) -> None:
+                 num_kv_groups: int, block_size: int, device: torch.device,
+                 decode_query_len: int = 1) -> None:
         super().__init__(max_num_reqs, max_num_tokens, max_blocks_per_req, num_kv_groups,
-                         block_size, device)
+                         block_size, device, decode_query_len)
         self._num_reqs = self._num_tokens = 0
         self._row_keys: list[tuple | None] = [None] * max_num_reqs
         self._arange = np.arange(max(max_num_reqs, max_num_tokens))   # read-only
