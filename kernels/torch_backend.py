@@ -7,6 +7,7 @@ Graph-safe: no host sync, and every shape is fixed by padded counts and
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from rung.core.attention_metadata import CommonAttentionMetadata
 from rung.core.graph_mode import GraphSupport
@@ -21,14 +22,18 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter key/value [num_tokens_padded, num_kv_heads, head_dim] to their slots.
 
+    One in-place ``index_put_`` per K and V on the WHOLE cache tensor, never on a view:
+    a compiler then updates the cache in place (on a view inductor copied the whole cache
+    every step).
     NOTE: slot -1 (pads) is redirected to slot 0 of the null block, which no request
     reads, so the write is skipped for every live block without a host sync.
     """
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    block_size = kv_cache.shape[2]
     slots = slot_mapping.clamp(min=0)
-    flat[0].index_copy_(0, slots, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, value.to(kv_cache.dtype))
+    block, offset = slots // block_size, slots % block_size               # [T] each
+    k_half = torch.zeros((), dtype=torch.long, device=kv_cache.device)   # kv_cache[0] = K
+    kv_cache.index_put_((k_half, block, offset), key.to(kv_cache.dtype))
+    kv_cache.index_put_((k_half + 1, block, offset), value.to(kv_cache.dtype))
 
 
 def token_positions(meta: CommonAttentionMetadata,
@@ -39,6 +44,11 @@ def token_positions(meta: CommonAttentionMetadata,
     """
     qsl = meta.query_start_loc.long()
     rows = qsl.shape[0] - 1
+    if meta.desc.uniform_query_len == 1 and rows == num_tokens_padded:
+        # decode: token t is row t's only query; pad rows have seq_len 0, so kv_len 0
+        seq_lens = meta.seq_lens.long()
+        req = torch.arange(rows, device=qsl.device)
+        return req, (seq_lens - 1).clamp(min=0), seq_lens
     tok = torch.arange(num_tokens_padded, device=qsl.device)
     req = torch.searchsorted(qsl[1:], tok, right=True)
     valid = req < rows
@@ -48,17 +58,30 @@ def token_positions(meta: CommonAttentionMetadata,
     return req, pos, kv_len
 
 
+def _visible_keys(kv_len: torch.Tensor, pos: torch.Tensor, num_keys: int,
+                  layer: AttentionLayerSpec) -> torch.Tensor:
+    """[T, num_keys] bool: key j is visible to a token at ``pos`` with ``kv_len`` keys."""
+    key_pos = torch.arange(num_keys, device=kv_len.device)
+    visible = key_pos[None, :] < kv_len[:, None]                         # [T, L]
+    if layer.sliding_window is not None:
+        visible &= key_pos[None, :] > (pos[:, None] - layer.sliding_window)
+    return visible
+
+
+def _num_blocks_read(meta: CommonAttentionMetadata, block_size: int) -> int:
+    return min(-(-meta.max_seq_len // block_size), meta.block_table.shape[1])
+
+
 def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor,
                         meta: CommonAttentionMetadata, layer: AttentionLayerSpec) -> torch.Tensor:
-    """Causal attention of every query token over its request's cached KV.
+    """Causal attention of every query token over its request's cached KV: the reference.
 
     query [T, num_heads, head_dim] -> [T, num_heads, head_dim] fp32; pad tokens give 0.
     """
     num_tokens_padded, num_heads, head_dim = query.shape
     num_kv_heads = layer.num_kv_heads
-    block_size = kv_cache.shape[2]
     req, pos, kv_len = token_positions(meta, num_tokens_padded)
-    num_blocks_read = min(-(-meta.max_seq_len // block_size), meta.block_table.shape[1])
+    num_blocks_read = _num_blocks_read(meta, kv_cache.shape[2])
     blocks = meta.block_table[:, :num_blocks_read].long()[req]          # [T, nb]
     k = kv_cache[0][blocks].flatten(1, 2).float()                        # [T, L, kvh, hd]
     v = kv_cache[1][blocks].flatten(1, 2).float()
@@ -68,13 +91,36 @@ def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor,
     scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * layer.scale      # [T, kvh, g, L]
     if layer.logit_softcap:
         scores = layer.logit_softcap * torch.tanh(scores / layer.logit_softcap)
-    key_pos = torch.arange(k.shape[1], device=query.device)
-    visible = key_pos[None, :] < kv_len[:, None]                         # [T, L]
-    if layer.sliding_window is not None:
-        visible &= key_pos[None, :] > (pos[:, None] - layer.sliding_window)
+    visible = _visible_keys(kv_len, pos, k.shape[1], layer)              # [T, L]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)               # all-masked pads -> 0
     out = torch.matmul(probs, v.permute(0, 2, 1, 3))                     # [T, kvh, g, hd]
+    return out.reshape(num_tokens_padded, num_heads, head_dim)
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: CommonAttentionMetadata,
+                    layer: AttentionLayerSpec) -> torch.Tensor:
+    """The reference's result, faster in eager: K and V gathered once (one index_select),
+    then SDPA on transposed views (no copy); softcapped layers take the reference path.
+
+    query [T, num_heads, head_dim] -> [T, num_heads, head_dim] fp32; pad tokens give 0.
+    """
+    if layer.logit_softcap:
+        return paged_attention_ref(query, kv_cache, meta, layer)
+    num_tokens_padded, num_heads, head_dim = query.shape
+    _, num_cache_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    req, pos, kv_len = token_positions(meta, num_tokens_padded)
+    num_blocks_read = _num_blocks_read(meta, block_size)
+    blocks = meta.block_table[:, :num_blocks_read].long()[req]          # [T, nb]
+    kv = kv_cache.index_select(1, blocks.flatten()).float()             # [2, T*nb, bs, kvh, hd]
+    kv = kv.view(2, num_tokens_padded, num_blocks_read * block_size, num_kv_heads, head_dim)
+    visible = _visible_keys(kv_len, pos, kv.shape[2], layer)            # [T, L]
+    q = query.float().view(num_tokens_padded, num_kv_heads, -1, head_dim)  # [T, kvh, g, hd]
+    # NOTE: the g query heads of one KV head are SDPA's query positions, so K/V are read
+    # once per KV head; SDPA gives all-masked rows (pads) 0.
+    out = F.scaled_dot_product_attention(q, kv[0].transpose(1, 2), kv[1].transpose(1, 2),
+                                         attn_mask=visible[:, None, None, :],
+                                         scale=layer.scale)              # [T, kvh, g, hd]
     return out.reshape(num_tokens_padded, num_heads, head_dim)
 
 
@@ -83,7 +129,7 @@ class TorchAttentionImpl(AttentionImpl):
         write_kv(kv_cache, key, value, slot_mapping)
 
     def attend(self, query, kv_cache, metadata, output) -> None:
-        output.copy_(paged_attention_ref(query, kv_cache, metadata, self.spec))
+        output.copy_(paged_attention(query, kv_cache, metadata, self.spec))
 
 
 class TorchBackend(AttentionBackend):

@@ -45,6 +45,28 @@ class MergedLinear(nn.Linear):
         param.data[start:start + size].copy_(loaded)
 
 
+def pretranspose_linear_weights(model: nn.Module) -> int:
+    """Store every untied ``nn.Linear`` weight as W^T in memory; returns how many changed.
+
+    The parameter keeps HF's name and shape [out, in] (loading and state dicts are
+    unchanged) but becomes the transposed view of a contiguous [in, out] tensor, so
+    ``F.linear`` calls the CPU GEMM on ``x @ Wt`` with no transpose: the layout the
+    matmul floor uses. Weights tied to an embedding keep their row-major layout, which
+    the embedding's row gather needs.
+    """
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    changed = 0
+    for module in model.modules():
+        if not isinstance(module, nn.Linear) or id(module.weight) in tied:
+            continue
+        weight = module.weight.detach()
+        if weight.t().is_contiguous():
+            continue
+        module.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
+        changed += 1
+    return changed
+
+
 def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
     """inv_freq [rotary_dim // 2] fp32, HF's default and llama3 rope types."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float()

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from rung.models.gguf import GGUFModel, is_gguf
-from rung.models.layers import init_random_weights
+from rung.models.layers import init_random_weights, pretranspose_linear_weights
 from rung.models.presets import NAMED_FILES, PRESETS
 from rung.models.registry import model_class
 from rung.models.tokenizer import ByteTokenizer, load_tokenizer
@@ -112,6 +112,8 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cp
     else:
         net.load_weights(iterate_safetensors(folder))
     net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if torch.device(device).type == "cpu":
+        pretranspose_linear_weights(net)   # the CPU GEMM is fastest on x @ Wt
     tokenizer = ByteTokenizer() if folder is None else load_tokenizer(folder, cfg)
     return LoadedModel(net, cfg, tokenizer, model, folder is None or load_format == "dummy")
 
@@ -134,4 +136,6 @@ def _load_gguf(path: str, name: str, dtype: torch.dtype, device: str, load_forma
     else:
         net.load_weights(gguf_model.weights())
     net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if torch.device(device).type == "cpu":
+        pretranspose_linear_weights(net)
     return LoadedModel(net, cfg, gguf_model.tokenizer(), name, load_format == "dummy")
