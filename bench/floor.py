@@ -3,6 +3,8 @@
 Per layer qkv, o, gate_up and down (every ``nn.Linear`` of the model, in module order),
 plus ``lm_head`` for the sampled rows; no norms, RoPE, attention, KV writes, sampling or
 host bookkeeping. Inputs and outputs are preallocated, so a step allocates nothing.
+Weights are held pre-transposed (W^T contiguous, ``x @ Wt``), the fastest layout for the
+CPU GEMM, so rung cannot beat the floor by changing its own weight layout.
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ class MatmulFloor:
     """One decode step's weight matmuls on ``num_reqs`` rows (one token per request)."""
 
     def __init__(self, model: nn.Module, num_reqs: int) -> None:
-        # (x [num_reqs, in], weight.t() [in, out] view, bias [out] | None, out [num_reqs, out])
+        # (x [num_reqs, in], W^T [in, out] contiguous, bias [out] | None, out [num_reqs, out])
         self.ops: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         gen = torch.Generator().manual_seed(0)
         for linear in _linears(model):
             w = linear.weight
             x = torch.randn(num_reqs, linear.in_features, generator=gen).to(w.device, w.dtype)
             out = torch.empty(num_reqs, linear.out_features, dtype=w.dtype, device=w.device)
-            self.ops.append((x, w.t(), linear.bias, out))
+            # NOTE: no copy when the model already stores W^T (rung's CPU layout)
+            self.ops.append((x, w.detach().t().contiguous(), linear.bias, out))
         if not self.ops:
             raise ValueError(f"model {type(model).__name__} has no nn.Linear: no matmul floor")
         self.device = self.ops[0][0].device

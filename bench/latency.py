@@ -211,39 +211,29 @@ def _capture_cost(engine: LLMEngine, graph: str | None) -> tuple[float | None, i
     return sum(r.seconds for r in hits), sum(r.nbytes for r in hits)
 
 
-def measure_rung(engine: LLMEngine, plan: LatencyPlan, label: str,
-                 num_reqs: int) -> tuple[dict[str, Any], list[list[int]]]:
-    """One cell's record, and the tokens of its last round (checked against HF).
-
-    NOTE: the matmul floor runs right after each measured round, as many steps as the
-    round decoded, so rung/floor compares timings taken under the same machine load.
-    """
-    prompts = plan.prompts(num_reqs, engine.runner.vocab_size)
-    floor = MatmulFloor(engine.runner.model, num_reqs)
-    for i in range(plan.warmup_iters):
-        rung_round(engine, _warmup_prompts(prompts), min(plan.output_len, 4),
-                   f"{label}-{num_reqs}-w{i}")
-    rounds, floor_s = [], []
-    for i in range(plan.iters):
-        rounds.append(rung_round(engine, prompts, plan.output_len, f"{label}-{num_reqs}-{i}"))
-        floor_s += floor.time_steps(max(len(rounds[-1].step_s), 1))
+def rung_record(engine: LLMEngine, plan: LatencyPlan, label: str, num_reqs: int,
+                rounds: list[RungRound]) -> dict[str, Any]:
+    """One cell's record from its measured rounds."""
     steps = [s for r in rounds for s in r.step_s]
     if not steps:
         raise RuntimeError(f"mode {label}, {num_reqs} requests: no step decoded every request "
                            "at once; raise --max-num-batched-tokens or lower --batch-sizes")
     wastes = [w for r in rounds for w in r.padding_waste]
     capture_s, capture_bytes = _capture_cost(engine, rounds[-1].graph)
-    floor_stats = percentiles_ms(floor_s, "floor_step")
-    record = {"mode": label, "num_reqs": num_reqs, "input_len": plan.input_len,
-              "output_len": plan.output_len, "num_decode_steps": len(steps),
-              **percentiles_ms(steps, "step"),
-              "tokens_per_s": num_reqs * len(steps) / sum(steps),
-              "ttft_ms": 1e3 * sorted(r.ttft_s for r in rounds)[len(rounds) // 2],
-              "padding_waste": sum(wastes) / len(wastes), "graph": rounds[-1].graph,
-              "capture_ms": None if capture_s is None else capture_s * 1e3,
-              "capture_bytes": capture_bytes, "floor_matmuls": floor.num_matmuls,
-              **{k: v for k, v in floor_stats.items() if not k.endswith("_mean")}}
-    return record, rounds[-1].token_ids
+    return {"mode": label, "num_reqs": num_reqs, "input_len": plan.input_len,
+            "output_len": plan.output_len, "num_decode_steps": len(steps),
+            **percentiles_ms(steps, "step"),
+            "tokens_per_s": num_reqs * len(steps) / sum(steps),
+            "ttft_ms": 1e3 * sorted(r.ttft_s for r in rounds)[len(rounds) // 2],
+            "padding_waste": sum(wastes) / len(wastes), "graph": rounds[-1].graph,
+            "capture_ms": None if capture_s is None else capture_s * 1e3,
+            "capture_bytes": capture_bytes}
+
+
+def floor_stats(floor: MatmulFloor, seconds: list[float]) -> dict[str, Any]:
+    stats = percentiles_ms(seconds, "floor_step")
+    return {"floor_matmuls": floor.num_matmuls,
+            **{k: v for k, v in stats.items() if not k.endswith("_mean")}}
 
 
 def _warmup_prompts(prompts: list[list[int]]) -> list[list[int]]:
@@ -279,14 +269,8 @@ def ladder_padding_waste(padded_size: Any, max_num_reqs: int, decode_len: int = 
 
 
 # --- baselines ---------------------------------------------------------------------------
-def measure_hf(hf: torch.nn.Module, plan: LatencyPlan, num_reqs: int, vocab_size: int,
-               rung_tokens: list[list[list[int]]]) -> dict[str, Any]:
-    from rung.bench.hf_baseline import hf_generate_round
-
-    prompts = plan.prompts(num_reqs, vocab_size)
-    for _ in range(plan.warmup_iters):
-        hf_generate_round(hf, _warmup_prompts(prompts), min(plan.output_len, 4))
-    rounds = [hf_generate_round(hf, prompts, plan.output_len) for _ in range(plan.iters)]
+def hf_stats(rounds: list[Any], num_reqs: int,
+             rung_tokens: list[list[list[int]]]) -> dict[str, Any]:
     steps = [s for r in rounds for s in r.step_s]
     stats = percentiles_ms(steps, "hf_step")
     return {**{k: v for k, v in stats.items() if not k.endswith("_mean")},
@@ -313,55 +297,77 @@ def _add_ratios(record: dict[str, Any]) -> None:
 
 # --- the run ---------------------------------------------------------------------------------
 class _Run:
-    """State of one harness run: records, tokens per request count, the progress bar."""
+    """One harness run: an engine per mode, then per request count one interleaved cell.
+
+    NOTE: every measured round of a request count runs each mode, then HF, then the floor
+    (A B C A B C ...), so each ratio compares timings taken under the same machine load.
+    """
 
     def __init__(self, args: argparse.Namespace, plan: LatencyPlan,
                  build_llm: Callable[..., LLM]) -> None:
         self.args, self.plan, self.build_llm = args, plan, build_llm
         self.records: list[dict[str, Any]] = []
         self.modes: list[dict[str, Any]] = []
-        self.tokens: dict[int, list[list[list[int]]]] = {n: [] for n in plan.num_reqs_list}
-        self.model: torch.nn.Module | None = None
-        self.config: dict | None = None
+        self.engines: dict[str, LLMEngine] = {}
+        self.hf: torch.nn.Module | None = None
         num_cells = len(plan.num_reqs_list) * (len(plan.modes) + (plan.baseline == "hf"))
         self.bar = tqdm(total=num_cells, desc="bench latency", unit="cell", file=sys.stderr)
 
-    def run_mode(self, label: str) -> None:
-        self.bar.set_postfix_str(f"{label}: building engine")
-        ns = _engine_namespace(self.args, self.plan, label)
-        progress = lambda r: self.bar.set_postfix_str(  # noqa: E731
-            f"{label}: captured {r.mode}:{r.num_tokens_padded}")
-        engine = self.build_llm(ns, capture_progress=progress).engine
-        if self.model is None:
-            self.model, self.config = engine.loaded.model, engine.loaded.config
-        for num_reqs in self.plan.num_reqs_list:
-            self.bar.set_postfix_str(f"{label}: {num_reqs} requests")
-            record, tokens = measure_rung(engine, self.plan, label, num_reqs)
+    @property
+    def order(self) -> list[str]:
+        """What one measured round runs, in order."""
+        return self.plan.modes + (["hf"] if self.plan.baseline == "hf" else []) + ["floor"]
+
+    def build(self) -> None:
+        for label in self.plan.modes:
+            self.bar.set_postfix_str(f"{label}: building engine")
+            ns = _engine_namespace(self.args, self.plan, label)
+            progress = lambda r, label=label: self.bar.set_postfix_str(  # noqa: E731
+                f"{label}: captured {r.mode}:{r.num_tokens_padded}")
+            self.engines[label] = self.build_llm(ns, capture_progress=progress).engine
+            self.modes.append(mode_summary(self.engines[label], label, self.plan.max_num_reqs))
+        if self.plan.baseline == "hf":
+            from rung.bench.hf_baseline import hf_model_from_rung
+
+            self.bar.set_postfix_str("hf: converting weights")
+            loaded = next(iter(self.engines.values())).loaded
+            self.hf = hf_model_from_rung(loaded.model, loaded.config)
+
+    def run_cell(self, num_reqs: int) -> None:
+        from rung.bench.hf_baseline import hf_generate_round
+
+        plan = self.plan
+        first = next(iter(self.engines.values()))
+        prompts = plan.prompts(num_reqs, first.runner.vocab_size)
+        floor = MatmulFloor(first.runner.model, num_reqs)
+        self.bar.set_postfix_str(f"{num_reqs} requests: warm-up")
+        for i in range(plan.warmup_iters):
+            for label, engine in self.engines.items():
+                rung_round(engine, _warmup_prompts(prompts), min(plan.output_len, 4),
+                           f"{label}-{num_reqs}-w{i}")
+            if self.hf is not None:
+                hf_generate_round(self.hf, _warmup_prompts(prompts), min(plan.output_len, 4))
+        rounds: dict[str, list[RungRound]] = {label: [] for label in self.engines}
+        hf_rounds, floor_s = [], []
+        for i in range(plan.iters):
+            self.bar.set_postfix_str(f"{num_reqs} requests: round {i + 1}/{plan.iters}")
+            for label, engine in self.engines.items():
+                rounds[label].append(rung_round(engine, prompts, plan.output_len,
+                                                f"{label}-{num_reqs}-{i}"))
+            if self.hf is not None:
+                hf_rounds.append(hf_generate_round(self.hf, prompts, plan.output_len))
+            floor_s += floor.time_steps(plan.output_len - 1)
+        shared = floor_stats(floor, floor_s)
+        if hf_rounds:
+            tokens = [r[-1].token_ids for r in rounds.values()]
+            shared.update(hf_stats(hf_rounds, num_reqs, tokens))
+            self.bar.update(1)
+        for label, engine in self.engines.items():
+            record = rung_record(engine, plan, label, num_reqs, rounds[label])
+            record.update(shared, interleaved_with=self.order)
+            _add_ratios(record)
             self.records.append(record)
-            self.tokens[num_reqs].append(tokens)
             self.bar.update(1)
-        self.modes.append(mode_summary(engine, label, self.plan.max_num_reqs))
-
-    def run_hf(self) -> dict[int, dict[str, Any]]:
-        """HF records per request count (empty without --baseline hf)."""
-        hf = self._hf_model()
-        if hf is None:
-            return {n: {} for n in self.plan.num_reqs_list}
-        out: dict[int, dict[str, Any]] = {}
-        for num_reqs in self.plan.num_reqs_list:
-            self.bar.set_postfix_str(f"hf: {num_reqs} requests")
-            out[num_reqs] = measure_hf(hf, self.plan, num_reqs, self.config["vocab_size"],
-                                       self.tokens[num_reqs])
-            self.bar.update(1)
-        return out
-
-    def _hf_model(self) -> torch.nn.Module | None:
-        if self.plan.baseline != "hf":
-            return None
-        from rung.bench.hf_baseline import hf_model_from_rung
-
-        self.bar.set_postfix_str("hf: converting weights")
-        return hf_model_from_rung(self.model, self.config)
 
 
 def run_latency(args: argparse.Namespace, build_llm: Callable[..., LLM]) -> int:
@@ -371,23 +377,24 @@ def run_latency(args: argparse.Namespace, build_llm: Callable[..., LLM]) -> int:
         torch.set_num_threads(args.threads)
     env = environment(args)
     run = _Run(args, plan, build_llm)
-    baselines: dict[int, dict[str, Any]] = {n: {} for n in plan.num_reqs_list}
     try:
-        for label in plan.modes:
-            run.run_mode(label)
+        run.build()
+        for num_reqs in plan.num_reqs_list:
+            run.run_cell(num_reqs)
             gc.collect()
-        baselines = run.run_hf()
     except (ValueError, RuntimeError, ImportError) as e:
         if not run.records:
             raise
-        # NOTE: the rung cells already measured are reported, not thrown away
+        # NOTE: the cells already measured are reported, not thrown away
         print(f"error: {e}; reporting the {len(run.records)} cells measured so far",
               file=sys.stderr)
     finally:
         run.bar.close()
-    for record in run.records:
-        record.update(baselines[record["num_reqs"]])
-        _add_ratios(record)
+    modes = {label: i for i, label in enumerate(plan.modes)}
+    run.records.sort(key=lambda r: (modes[r["mode"]], r["num_reqs"]))
+    env["interleaving"] = {"unit": "round", "order": run.order, "rounds_per_cell": plan.iters,
+                           "note": "each measured round runs every entry of order once, in "
+                                   "order; the floor times as many steps as a round decodes"}
     _report(args, plan, env, run)
     return 0
 

@@ -18,6 +18,9 @@ class ForwardContext:
     desc: BatchExecutionDescriptor
     attn_metadata: dict[str, Any]     # layer name -> metadata of its attention group
     layers: dict[str, torch.nn.Module]   # layer name -> bound Attention module
+    # True while a compiled CPU graph is traced: attention runs as torch ops the compiler
+    # fuses, instead of the opaque op that piecewise graphs split at.
+    inline_attention: bool = False
 
 
 _current: ForwardContext | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -225,14 +226,27 @@ def _check(cudart: Any, err: Any, call: str) -> None:
         raise RuntimeError(f"{call} returned {err}")
 
 
+def resolve_graph_backend(name: str, device: torch.device) -> str:
+    """"auto": CUDA graphs on CUDA; on CPU compiled graphs, unless RUNG_GRAPH_BACKEND names
+    another (the test suite sets "emulated": its poisoned replays are the padding oracle)."""
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "cuda"
+    return os.environ.get("RUNG_GRAPH_BACKEND", "compiled")
+
+
 def make_capture_backend(name: str, device: torch.device,
                          poison_hook: Callable[[], None] | None):
-    if name == "auto":
-        name = "cuda" if device.type == "cuda" else "emulated"
+    name = resolve_graph_backend(name, device)
     if name == "cuda":
         if device.type != "cuda":
             raise ValueError(f"graph_backend 'cuda' needs a CUDA device, got {device}")
         return CudaGraphBackend()
     if name == "emulated":
         return EmulatedGraphBackend(poison_hook)
-    raise ValueError(f"graph_backend {name!r} not in ('auto', 'cuda', 'emulated')")
+    if name == "compiled":
+        from rung.graphs.compiled import CompiledGraphBackend
+
+        return CompiledGraphBackend()
+    raise ValueError(f"graph_backend {name!r} not in ('auto', 'cuda', 'emulated', 'compiled')")

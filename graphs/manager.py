@@ -127,8 +127,11 @@ class GraphManager:
                     self.capturing = False
                 nbytes, nodes = self._piece_bytes, self._piece_nodes
             else:
-                graph = self.capture_backend.capture(
-                    self._full_forward, self._full_inputs(ids, positions, ctx))
+                inputs = self._full_inputs(ids, positions, ctx)
+                if hasattr(self.capture_backend, "capture_model"):   # compiled CPU graphs
+                    graph = self.capture_backend.capture_model(self._model_forward, inputs)
+                else:
+                    graph = self.capture_backend.capture(self._full_forward, inputs)
                 self.full_graphs[self._graph_key(TARGET, desc)] = graph
                 nbytes, nodes = graph.nbytes, graph.num_kernel_nodes
         if self._traced_at is not None:
@@ -188,6 +191,11 @@ class GraphManager:
         # NOTE: metadata tensors are passed only so replay checks their identity; the
         # attention ops read them through the forward context.
         return self._forward_fn(ids, positions)
+
+    def _model_forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                       *metadata: torch.Tensor) -> torch.Tensor:
+        """The model's own forward, for backends that trace it whole (compiled CPU graphs)."""
+        return self.runner.model(ids, positions)
 
     @staticmethod
     def _full_inputs(ids: torch.Tensor, positions: torch.Tensor,

@@ -8,6 +8,7 @@ from torch import nn
 from rung.core.forward_context import get_forward_context
 from rung.core.kv_cache_spec import KVCacheSpec
 from rung.kernels.backend import AttentionBackend, AttentionImpl, AttentionLayerSpec
+from rung.kernels.torch_backend import paged_attention_fusable, write_kv
 
 ATTENTION_OP = "rung::unified_attention"
 
@@ -66,6 +67,8 @@ class Attention(nn.Module):
         v = value.view(num_tokens, s.num_kv_heads, s.head_dim)
         # NOTE: output is allocated before the op, so under PIECEWISE graphs it lives in
         # the preceding piece's static memory and the next piece reads a stable address.
+        if torch.compiler.is_compiling() and get_forward_context().inline_attention:
+            return self._inline_forward(q, k, v).view(num_tokens, s.num_heads * s.head_dim)
         output = torch.empty_like(q)
         if torch.compiler.is_compiling():
             # the op is what rung's compile backend splits the graph at
@@ -73,3 +76,11 @@ class Attention(nn.Module):
         else:
             _attention(q, k, v, output, self.layer_name)     # eager: skip op dispatch
         return output.view(num_tokens, s.num_heads * s.head_dim)
+
+    def _inline_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """KV write and attention as plain torch ops, traced into a compiled graph."""
+        meta = get_forward_context().attn_metadata[self.layer_name]
+        meta = getattr(meta, "common", meta)
+        if self.spec.writes_kv:
+            write_kv(self.kv_cache, k, v, meta.slot_mapping)
+        return paged_attention_fusable(q, self.kv_cache, meta, self.spec).to(q.dtype)

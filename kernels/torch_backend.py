@@ -124,6 +124,34 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: CommonAtt
     return out.reshape(num_tokens_padded, num_heads, head_dim)
 
 
+def paged_attention_fusable(query: torch.Tensor, kv_cache: torch.Tensor,
+                            meta: CommonAttentionMetadata,
+                            layer: AttentionLayerSpec) -> torch.Tensor:
+    """The reference's result as elementwise ops and reductions a compiler fuses: the
+    block-table gather becomes an indirect load inside the score and output reductions,
+    so no K/V copy is made. Eager, it is slow; inside a compiled graph, it is the fast one.
+
+    query [T, num_heads, head_dim] -> [T, num_heads, head_dim] fp32; pad tokens give 0.
+    """
+    num_tokens_padded, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    req, pos, kv_len = token_positions(meta, num_tokens_padded)
+    num_blocks_read = _num_blocks_read(meta, block_size)
+    num_keys = num_blocks_read * block_size
+    blocks = meta.block_table[:, :num_blocks_read].long()[req]          # [T, nb]
+    k = kv_cache[0][blocks].reshape(num_tokens_padded, num_keys, num_kv_heads, 1, head_dim)
+    v = kv_cache[1][blocks].reshape(num_tokens_padded, num_keys, num_kv_heads, 1, head_dim)
+    q = query.float().view(num_tokens_padded, 1, num_kv_heads, -1, head_dim)  # [T,1,kvh,g,hd]
+    scores = (q * k.float()).sum(-1) * layer.scale                       # [T, L, kvh, g]
+    if layer.logit_softcap:
+        scores = layer.logit_softcap * torch.tanh(scores / layer.logit_softcap)
+    visible = _visible_keys(kv_len, pos, num_keys, layer)                # [T, L]
+    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=1).nan_to_num(0.0)                # all-masked pads -> 0
+    out = (probs[..., None] * v.float()).sum(1)                         # [T, kvh, g, hd]
+    return out.reshape(num_tokens_padded, num_heads, head_dim)
+
+
 class TorchAttentionImpl(AttentionImpl):
     def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
         write_kv(kv_cache, key, value, slot_mapping)

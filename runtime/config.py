@@ -50,7 +50,9 @@ class CompilationConfig:
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.FULL_AND_PIECEWISE
     cudagraph_capture_sizes: list[int] | None = None   # None -> the default ladder
     backend: str = "eager"            # how pieces compile: "eager" (FX) or "inductor"
-    graph_backend: str = "auto"       # "cuda" | "emulated" | "auto"
+    # "auto": "cuda" on CUDA, "compiled" on CPU (env RUNG_GRAPH_BACKEND overrides);
+    # "emulated": CPU replays re-run the forward (the poisoning oracle of the tests)
+    graph_backend: str = "auto"       # "cuda" | "compiled" | "emulated" | "auto"
     # largest padded token count a graph is captured for; None -> 512 for the default
     # ladder (batches above it run eagerly), no cap for sizes the user lists
     max_cudagraph_capture_size: int | None = None

@@ -11,6 +11,10 @@ if not torch.cuda.is_available():
 # (the descriptor contract) at every step.
 os.environ.setdefault("RUNG_DEBUG_PADDING", "1")
 
+# CPU graphs in the tests are emulated: its replays re-run the forward on poisoned pads, the
+# padding oracle. Compiled graphs (the CPU default) are tested where a test asks for them.
+os.environ.setdefault("RUNG_GRAPH_BACKEND", "emulated")
+
 # NOTE: tiny test models gain nothing from a second OpenMP thread, and on a busy 2-core
 # machine a spinning second thread makes HF's oracle several times slower.
 torch.set_num_threads(1)

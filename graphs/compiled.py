@@ -1,0 +1,104 @@
+"""CPU graphs that are really compiled: one static-shape inductor artifact per ladder size.
+
+The CPU analogue of a CUDA graph: at capture, dynamo traces the whole forward once with
+attention inlined as torch ops (``ForwardContext.inline_attention``), and inductor compiles
+that graph for exactly the capture's shapes. Replay calls the artifact on the very tensors
+it was traced with (weights, KV caches, and views of the persistent input buffers), so no
+guard is evaluated and nothing is re-traced per step.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+
+from rung.core.forward_context import get_forward_context
+from rung.graphs.capture import CapturedGraph, EmulatedGraphBackend
+
+logger = logging.getLogger(__name__)
+
+# NOTE: the C++ wrapper calls a replay's ~10 kernels per layer without Python in between
+# (0.95x vs 1.17x the matmul floor at 1 request, bench-llama) at the price of a longer
+# compile. Part of the artifact cache key.
+INDUCTOR_OPTIONS: dict[str, Any] = {"config_patches": {"cpp_wrapper": True}}
+
+
+class CompiledGraph(CapturedGraph):
+    """An inductor artifact and the flat inputs it was traced with."""
+
+    def __init__(self, artifact: Callable[..., Any], static_inputs: Sequence[torch.Tensor],
+                 graph_inputs: list[torch.Tensor], compile_s: float, load_s: float) -> None:
+        super().__init__(static_inputs, None, 0)
+        self.artifact = artifact
+        self.graph_inputs = graph_inputs   # weights, KV caches, input-buffer views: stable
+        self.compile_s = compile_s
+        self.load_s = load_s
+
+    def replay(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        self.check_inputs(inputs)
+        # NOTE: the hidden states come back in a fresh tensor per replay (inductor's output
+        # buffer), not a static one; every caller reads them before the next replay.
+        return self.artifact(*self.graph_inputs)[0]
+
+
+class TracedGraph:
+    """What dynamo hands a backend: the FX graph and its (real) flat inputs."""
+
+    def __init__(self) -> None:
+        self.gm: fx.GraphModule | None = None
+        self.inputs: list[torch.Tensor] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        self.gm, self.inputs = gm, list(example_inputs)
+        return gm.forward
+
+
+def trace_forward(fn: Callable[..., torch.Tensor], inputs: Sequence) -> TracedGraph:
+    """One dynamo trace of ``fn(*inputs)`` with attention inlined; runs it once."""
+    traced = TracedGraph()
+    ctx = get_forward_context()
+    ctx.inline_attention = True
+    try:
+        torch.compile(fn, backend=traced, fullgraph=True, dynamic=False)(*inputs)
+    finally:
+        ctx.inline_attention = False
+    if traced.gm is None:
+        raise RuntimeError("dynamo produced no graph for the forward pass")
+    return traced
+
+
+def compile_traced(traced: TracedGraph) -> Any:
+    """A static-shape inductor artifact of a traced forward."""
+    return torch._inductor.standalone_compile(traced.gm, traced.inputs,
+                                              dynamic_shapes="from_example_inputs",
+                                              options=copy.deepcopy(INDUCTOR_OPTIONS))
+
+
+class CompiledGraphBackend(EmulatedGraphBackend):
+    """FULL graphs: trace + inductor compile at the capture's static shapes.
+
+    PIECEWISE pieces are captured as the emulated backend captures them (run as
+    ``compilation_config.backend`` compiled them), without poison.
+    """
+
+    name = "compiled"
+
+    def __init__(self) -> None:
+        super().__init__(poison_hook=None)
+
+    def capture_model(self, fn: Callable[..., torch.Tensor], inputs: Sequence) -> CompiledGraph:
+        """``fn(*inputs)``: the model's whole forward, attention included."""
+        start = time.perf_counter()
+        traced = trace_forward(fn, inputs)
+        artifact = compile_traced(traced)
+        compile_s = time.perf_counter() - start
+        logger.info("compiled a graph of %d inputs in %.1f s", len(traced.inputs), compile_s)
+        graph = CompiledGraph(artifact, inputs, traced.inputs, compile_s, 0.0)
+        graph.outputs = graph.replay(inputs)     # outputs of a pad-only batch; sizes nbytes
+        graph.nbytes = graph.outputs.numel() * graph.outputs.element_size()
+        return graph
