@@ -237,7 +237,7 @@ def resolve_graph_backend(name: str, device: torch.device) -> str:
 
 
 def make_capture_backend(name: str, device: torch.device,
-                         poison_hook: Callable[[], None] | None):
+                         poison_hook: Callable[[], None] | None, artifact_cache=None):
     name = resolve_graph_backend(name, device)
     if name == "cuda":
         if device.type != "cuda":
@@ -248,5 +248,5 @@ def make_capture_backend(name: str, device: torch.device,
     if name == "compiled":
         from rung.graphs.compiled import CompiledGraphBackend
 
-        return CompiledGraphBackend()
+        return CompiledGraphBackend(artifact_cache)
     raise ValueError(f"graph_backend {name!r} not in ('auto', 'cuda', 'emulated', 'compiled')")

@@ -18,6 +18,7 @@ import torch
 from torch import fx
 
 from rung.core.forward_context import get_forward_context
+from rung.graphs.artifact_cache import ArtifactCache
 from rung.graphs.capture import CapturedGraph, EmulatedGraphBackend
 
 logger = logging.getLogger(__name__)
@@ -32,12 +33,13 @@ class CompiledGraph(CapturedGraph):
     """An inductor artifact and the flat inputs it was traced with."""
 
     def __init__(self, artifact: Callable[..., Any], static_inputs: Sequence[torch.Tensor],
-                 graph_inputs: list[torch.Tensor], compile_s: float, load_s: float) -> None:
+                 graph_inputs: list[torch.Tensor], compile_s: float | None,
+                 load_s: float | None) -> None:
         super().__init__(static_inputs, None, 0)
         self.artifact = artifact
         self.graph_inputs = graph_inputs   # weights, KV caches, input-buffer views: stable
-        self.compile_s = compile_s
-        self.load_s = load_s
+        self.compile_s = compile_s   # seconds to trace + compile; None when loaded
+        self.load_s = load_s         # seconds to load from the disk cache; None when compiled
 
     def replay(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
         self.check_inputs(inputs)
@@ -80,7 +82,8 @@ def compile_traced(traced: TracedGraph) -> Any:
 
 
 class CompiledGraphBackend(EmulatedGraphBackend):
-    """FULL graphs: trace + inductor compile at the capture's static shapes.
+    """FULL graphs: trace + inductor compile at the capture's static shapes, or a load from
+    the on-disk artifact cache when an entry with the same key exists.
 
     PIECEWISE pieces are captured as the emulated backend captures them (run as
     ``compilation_config.backend`` compiled them), without poison.
@@ -88,17 +91,52 @@ class CompiledGraphBackend(EmulatedGraphBackend):
 
     name = "compiled"
 
-    def __init__(self) -> None:
+    def __init__(self, cache: ArtifactCache | None = None) -> None:
         super().__init__(poison_hook=None)
+        self.cache = cache
 
-    def capture_model(self, fn: Callable[..., torch.Tensor], inputs: Sequence) -> CompiledGraph:
-        """``fn(*inputs)``: the model's whole forward, attention included."""
+    def capture_model(self, fn: Callable[..., torch.Tensor], inputs: Sequence,
+                      named: dict[str, torch.Tensor] | None = None,
+                      graph_key: dict[str, Any] | None = None) -> CompiledGraph:
+        """``fn(*inputs)``: the model's whole forward, attention included. ``named``: every
+        tensor the forward may read, by a stable name; ``graph_key``: what else the traced
+        code depends on (sizes, metadata constants). Both are needed for the disk cache."""
+        key = None
+        if self.cache is not None and named is not None:
+            key = self.cache.key({**(graph_key or {}), "options": INDUCTOR_OPTIONS}, named)
+            graph = self._load(key, fn, inputs, named)
+            if graph is not None:
+                return graph
         start = time.perf_counter()
         traced = trace_forward(fn, inputs)
         artifact = compile_traced(traced)
         compile_s = time.perf_counter() - start
         logger.info("compiled a graph of %d inputs in %.1f s", len(traced.inputs), compile_s)
-        graph = CompiledGraph(artifact, inputs, traced.inputs, compile_s, 0.0)
+        if key is not None:
+            self.cache.save(key, artifact, traced.inputs, named)
+        return self._finish(CompiledGraph(artifact, inputs, traced.inputs, compile_s, None),
+                            inputs)
+
+    def _load(self, key: str, fn: Callable[..., torch.Tensor], inputs: Sequence,
+              named: dict[str, torch.Tensor]) -> CompiledGraph | None:
+        start = time.perf_counter()
+        hit = self.cache.load(key, named)
+        if hit is None:
+            return None
+        artifact, graph_inputs = hit
+        graph = self._finish(CompiledGraph(artifact, inputs, graph_inputs, None, 0.0), inputs)
+        # NOTE: a loaded artifact must reproduce eager on the capture batch before it is
+        # used; one that does not (stale or corrupt) is discarded and rebuilt.
+        expected = fn(*inputs)
+        if not torch.allclose(graph.outputs, expected, rtol=1e-3, atol=1e-4):
+            logger.warning("cached compiled graph %s disagrees with eager; rebuilding", key)
+            self.cache.discard(key)
+            return None
+        graph.load_s = time.perf_counter() - start
+        return graph
+
+    @staticmethod
+    def _finish(graph: CompiledGraph, inputs: Sequence) -> CompiledGraph:
         graph.outputs = graph.replay(inputs)     # outputs of a pad-only batch; sizes nbytes
         graph.nbytes = graph.outputs.numel() * graph.outputs.element_size()
         return graph

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Protocol, Sequence
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -53,18 +54,21 @@ class CaptureRecord:
     nbytes: int
     num_kernel_nodes: int | None
     graph: str = TARGET           # whose graph: TARGET, or the drafter's name
+    compile_s: float | None = None   # compiled CPU graphs: trace + compile seconds
+    load_s: float | None = None      # compiled CPU graphs: seconds to load from disk
 
 
 class GraphManager:
     def __init__(self, runner: GraphRunner, mode: CUDAGraphMode, sizes: list[int],
                  decode_query_len: int, piece_compiler: str, graph_backend: str,
-                 poison: bool) -> None:
+                 poison: bool, artifact_cache: Any = None) -> None:
         self.runner = runner
         mode = downgrade(mode, runner.backend.graph_support, runner.backend.name)
         self.dispatcher = Dispatcher(mode, sizes, runner.max_num_reqs, decode_query_len)
         self._poison_gen = torch.Generator().manual_seed(1234)
         self.capture_backend = make_capture_backend(graph_backend, runner.device,
-                                                    self._poison_pads if poison else None)
+                                                    self._poison_pads if poison else None,
+                                                    artifact_cache)
         self.compiled = (compile_model(runner.model, self, piece_compiler)
                          if mode.has_piecewise() else None)
         # (TARGET or a drafter's name, num_tokens_padded, num_reqs_padded, uniform decode?)
@@ -116,6 +120,7 @@ class GraphManager:
     def _capture(self, desc: BatchExecutionDescriptor) -> CaptureRecord:
         start = time.perf_counter()
         self._traced_at = None
+        compiled_s = load_s = None
         ids, positions, ctx = self.runner.dummy_batch(desc)
         with forward_context(ctx):
             if desc.mode == CUDAGraphMode.PIECEWISE:
@@ -129,7 +134,10 @@ class GraphManager:
             else:
                 inputs = self._full_inputs(ids, positions, ctx)
                 if hasattr(self.capture_backend, "capture_model"):   # compiled CPU graphs
-                    graph = self.capture_backend.capture_model(self._model_forward, inputs)
+                    graph = self.capture_backend.capture_model(
+                        self._model_forward, inputs, self._named_tensors(inputs),
+                        _compile_key(desc, ctx))
+                    compiled_s, load_s = graph.compile_s, graph.load_s
                 else:
                     graph = self.capture_backend.capture(self._full_forward, inputs)
                 self.full_graphs[self._graph_key(TARGET, desc)] = graph
@@ -140,7 +148,8 @@ class GraphManager:
             self.trace_seconds += self._traced_at - start
             start = self._traced_at
         return CaptureRecord(desc.mode.name, desc.num_tokens_padded, desc.num_reqs_padded,
-                             time.perf_counter() - start, nbytes, nodes)
+                             time.perf_counter() - start, nbytes, nodes,
+                             compile_s=compiled_s, load_s=load_s)
 
     def _forward_fn(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         model = self.compiled if self.compiled is not None else self.runner.model
@@ -197,6 +206,15 @@ class GraphManager:
         """The model's own forward, for backends that trace it whole (compiled CPU graphs)."""
         return self.runner.model(ids, positions)
 
+    def _named_tensors(self, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every tensor a traced forward may read, by a name stable across processes."""
+        named = {f"input.{i}": t for i, t in enumerate(inputs)}
+        named.update({f"kv.{n}": t for n, t in getattr(self.runner, "kv_caches", {}).items()})
+        model = self.runner.model
+        named.update({f"param.{n}": p for n, p in model.named_parameters()})
+        named.update({f"buffer.{n}": b for n, b in model.named_buffers()})
+        return named
+
     @staticmethod
     def _full_inputs(ids: torch.Tensor, positions: torch.Tensor,
                      ctx: ForwardContext) -> list[torch.Tensor]:
@@ -224,3 +242,25 @@ class GraphManager:
         desc = current_descriptor()
         if desc is not None:
             self._poisoners[self._replaying](desc, self._poison_gen)
+
+
+def _compile_key(desc: BatchExecutionDescriptor, ctx: ForwardContext) -> dict[str, Any]:
+    """What a traced forward specialises on besides tensor shapes."""
+    groups = {(m.block_size, m.max_seq_len, m.max_query_len)
+              for m in (getattr(x, "common", x) for x in ctx.attn_metadata.values())}
+    return {"mode": desc.mode.name, "num_tokens_padded": desc.num_tokens_padded,
+            "num_reqs_padded": desc.num_reqs_padded,
+            "uniform_query_len": desc.uniform_query_len, "metadata": sorted(groups)}
+
+
+def artifact_cache(runner: GraphRunner, config: Any) -> Any:
+    """The disk cache of compiled graphs, or None when compilation_config turns it off."""
+    from rung.graphs.artifact_cache import ArtifactCache, default_cache_dir
+
+    root = config.compilation.cache_dir
+    if root == "":
+        return None
+    model = runner.model
+    return ArtifactCache(Path(root) if root else default_cache_dir(),
+                         {"model_class": type(model).__name__, "dtype": str(config.dtype),
+                          "model_config": getattr(model, "config", None)})

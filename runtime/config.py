@@ -56,6 +56,8 @@ class CompilationConfig:
     # largest padded token count a graph is captured for; None -> 512 for the default
     # ladder (batches above it run eagerly), no cap for sizes the user lists
     max_cudagraph_capture_size: int | None = None
+    # compiled CPU graphs persist here; None -> $RUNG_CACHE_DIR or ~/.cache/rung; "" -> off
+    cache_dir: str | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> CompilationConfig:

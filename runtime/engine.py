@@ -13,8 +13,9 @@ from tqdm import tqdm
 
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.graph_mode import CUDAGraphMode
+from rung.graphs.capture import resolve_graph_backend
 from rung.graphs.ladder import capture_sizes
-from rung.graphs.manager import TARGET, CaptureRecord, GraphManager
+from rung.graphs.manager import TARGET, CaptureRecord, GraphManager, artifact_cache
 from rung.kernels.triton.variants import KERNEL_VARIANTS
 from rung.models.loader import LoadedModel, load_model
 from rung.models.moe import shard_experts
@@ -42,8 +43,10 @@ def make_graph_manager(runner: ModelRunner, config: EngineConfig) -> GraphManage
     sizes = capture_sizes(comp.cudagraph_capture_sizes, config.max_num_seqs,
                           config.num_spec_tokens, config.max_num_batched_tokens,
                           comp.max_cudagraph_capture_size, short=runner.device.type == "cpu")
+    compiled = resolve_graph_backend(comp.graph_backend, runner.device) == "compiled"
+    cache = artifact_cache(runner, config) if compiled else None
     return GraphManager(runner, comp.cudagraph_mode, sizes, 1 + config.num_spec_tokens,
-                        comp.backend, comp.graph_backend, config.debug_padding)
+                        comp.backend, comp.graph_backend, config.debug_padding, cache)
 
 
 class LLMEngine:

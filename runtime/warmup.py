@@ -20,10 +20,16 @@ def served_ranges(sizes: list[int]) -> dict[int, str]:
     return out
 
 
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def _row(mode: str, tokens: str, reqs: str, serves: str, record: dict) -> str:
     nodes = record.get("num_kernel_nodes")
+    # compile_s / load_s: compiled CPU graphs only (compiled now, or loaded from disk)
     return (f"{mode:<10} {tokens:>7} {reqs:>5} {serves:>9} {record['seconds'] * 1e3:>11.1f} "
-            f"{record['nbytes'] / 1024:>11.1f} {'-' if nodes is None else nodes:>12}")
+            f"{record['nbytes'] / 1024:>11.1f} {'-' if nodes is None else nodes:>12} "
+            f"{_seconds(record.get('compile_s')):>9} {_seconds(record.get('load_s')):>6}")
 
 
 def _table(records: list[dict], draft_records: list[dict], sizes: list[int],
@@ -31,7 +37,7 @@ def _table(records: list[dict], draft_records: list[dict], sizes: list[int],
     """PIECEWISE graphs depend on the token count alone (reqs '-'); FULL graphs on both;
     DRAFT rows are the drafter's graphs, one query per request."""
     head = (f"{'mode':<10} {'tokens':>7} {'reqs':>5} {'serves':>9} {'capture_ms':>11} "
-            f"{'memory_kib':>11} {'kernel_nodes':>12}")
+            f"{'memory_kib':>11} {'kernel_nodes':>12} {'compile_s':>9} {'load_s':>6}")
     rows = [head, "-" * len(head)]
     serves = served_ranges(sizes)
     for r in records:

@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ os.environ.setdefault("RUNG_DEBUG_PADDING", "1")
 # CPU graphs in the tests are emulated: its replays re-run the forward on poisoned pads, the
 # padding oracle. Compiled graphs (the CPU default) are tested where a test asks for them.
 os.environ.setdefault("RUNG_GRAPH_BACKEND", "emulated")
+# ...and compiled graphs persist in a fresh folder, never the user's cache.
+os.environ.setdefault("RUNG_CACHE_DIR", tempfile.mkdtemp(prefix="rung-test-cache-"))
 
 # NOTE: tiny test models gain nothing from a second OpenMP thread, and on a busy 2-core
 # machine a spinning second thread makes HF's oracle several times slower.

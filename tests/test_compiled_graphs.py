@@ -18,12 +18,19 @@ def _tokens(llm: LLM, num_prompts: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+KWARGS = dict(max_num_seqs=4, max_model_len=64, num_gpu_blocks_override=24)
+
+
+def _compiled(model: str, sizes: list[int], cache_dir: str | None = None) -> LLM:
+    return LLM(model, compilation_config={"cudagraph_mode": "full_decode_only",
+                                          "cudagraph_capture_sizes": sizes,
+                                          "graph_backend": "compiled", "cache_dir": cache_dir},
+               **KWARGS)
+
+
 def _compiled_matches_eager(model: str, sizes: list[int], num_prompts: int) -> None:
-    kwargs = dict(max_num_seqs=4, max_model_len=64, num_gpu_blocks_override=24)
-    compiled = LLM(model, compilation_config={"cudagraph_mode": "full_decode_only",
-                                              "cudagraph_capture_sizes": sizes,
-                                              "graph_backend": "compiled"}, **kwargs)
-    eager = LLM(model, enforce_eager=True, **kwargs)
+    compiled = _compiled(model, sizes)
+    eager = LLM(model, enforce_eager=True, **KWARGS)
     assert compiled.engine.runner.graphs.capture_backend.name == "compiled"
     assert _tokens(compiled, num_prompts) == _tokens(eager, num_prompts)
     replays = compiled.engine.stats()["graph_replays"]
@@ -42,3 +49,22 @@ def test_compiled_full_decode_matches_eager_llama(monkeypatch):
 def test_compiled_full_decode_matches_eager(model):
     # Gemma 4: sliding window and logit softcap inside the compiled attention
     _compiled_matches_eager(model, [1, 4], num_prompts=3)
+
+
+@pytest.mark.slow
+def test_second_start_loads_and_a_corrupt_entry_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setattr(compiled_graphs, "INDUCTOR_OPTIONS", {})
+    first = _compiled("tiny-llama", [2], str(tmp_path))
+    want = _tokens(first, 2)
+    [record] = first.engine.runner.graphs.records
+    assert record.compile_s > 0 and record.load_s is None
+    second = _compiled("tiny-llama", [2], str(tmp_path))
+    [record] = second.engine.runner.graphs.records
+    assert record.compile_s is None and record.load_s > 0
+    assert _tokens(second, 2) == want
+    [artifact] = tmp_path.glob("compiled/*/artifact.bin")
+    artifact.write_bytes(b"not an artifact")
+    third = _compiled("tiny-llama", [2], str(tmp_path))
+    [record] = third.engine.runner.graphs.records
+    assert record.compile_s > 0 and record.load_s is None     # rebuilt, never used
+    assert _tokens(third, 2) == want
