@@ -27,6 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+KV_WIDTH = "kv_width"    # the one int input: blocks read per request, set at each replay
 _SOURCE_PACKAGES = ("rung.core", "rung.kernels", "rung.models", "rung.graphs")
 
 
@@ -81,7 +82,7 @@ class ArtifactCache:
             return None
         try:
             meta = json.loads((entry / "meta.json").read_text())
-            inputs = [named[name] for name in meta["input_names"]]
+            inputs = [named[name] if name != KV_WIDTH else 0 for name in meta["input_names"]]
             artifact = torch._inductor.CompiledArtifact.load(path=str(entry / "artifact.bin"),
                                                               format="binary")
         except Exception as e:  # noqa: BLE001 - any unreadable entry is rebuilt
@@ -97,7 +98,8 @@ class ArtifactCache:
         by_identity: dict[tuple, str] = {}
         for name, t in named.items():
             by_identity.setdefault(_identity(t), name)
-        names = [by_identity.get(_identity(t)) for t in inputs]
+        names = [by_identity.get(_identity(t)) if isinstance(t, torch.Tensor) else KV_WIDTH
+                 for t in inputs]
         if None in names:
             logger.warning("compiled graph reads a tensor rung cannot name; not cached")
             return

@@ -30,7 +30,12 @@ INDUCTOR_OPTIONS: dict[str, Any] = {"config_patches": {"cpp_wrapper": True}}
 
 
 class CompiledGraph(CapturedGraph):
-    """An inductor artifact and the flat inputs it was traced with."""
+    """An inductor artifact and the flat inputs it was traced with.
+
+    The KV length is the one dynamic dimension: each block table is handed over cut to
+    the blocks the batch's longest sequence covers, so attention reads the real context,
+    not max_model_len.
+    """
 
     def __init__(self, artifact: Callable[..., Any], static_inputs: Sequence[torch.Tensor],
                  graph_inputs: list[torch.Tensor], compile_s: float | None,
@@ -40,12 +45,57 @@ class CompiledGraph(CapturedGraph):
         self.graph_inputs = graph_inputs   # weights, KV caches, input-buffer views: stable
         self.compile_s = compile_s   # seconds to trace + compile; None when loaded
         self.load_s = load_s         # seconds to load from the disk cache; None when compiled
+        self.seq_lens_index, self.block_tables = _kv_width_inputs(graph_inputs)
+        # the symbolic KV width is itself an input: an int, one per traced block table
+        self.width_indices = [i for i, t in enumerate(graph_inputs)
+                              if not isinstance(t, torch.Tensor)]
 
     def replay(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
         self.check_inputs(inputs)
+        args = list(self.graph_inputs)
+        if self.block_tables:
+            # NOTE: seq_lens lives in host memory on CPU: reading its max costs no sync
+            max_seq_len = int(args[self.seq_lens_index].max())
+            for index, block_size in self.block_tables:
+                table = args[index]
+                width = min(max(-(-max_seq_len // block_size), MIN_KV_BLOCKS), table.shape[1])
+                # NOTE: the artifact was traced on a contiguous table; a few hundred ints
+                args[index] = table[:, :width].contiguous()
+            for index in self.width_indices:
+                args[index] = width      # NOTE: every KV cache group has one block size
         # NOTE: the hidden states come back in a fresh tensor per replay (inductor's output
         # buffer), not a static one; every caller reads them before the next replay.
-        return self.artifact(*self.graph_inputs)[0]
+        return self.artifact(*args)[0]
+
+
+# NOTE: a dynamic dimension is compiled for sizes >= 2 (sizes 0 and 1 specialise), so a
+# block table is never cut below 2 blocks.
+MIN_KV_BLOCKS = 2
+
+
+def _kv_width_inputs(graph_inputs: list[torch.Tensor]
+                     ) -> tuple[int | None, list[tuple[int, int]]]:
+    """(index of seq_lens, [(index of a block table, its block size)]) among the graph's
+    inputs, matched by identity with the current forward context's metadata."""
+    index_of = {id(t): i for i, t in enumerate(graph_inputs) if isinstance(t, torch.Tensor)}
+    seq_lens_index, tables = None, {}
+    for meta in get_forward_context().attn_metadata.values():
+        common = getattr(meta, "common", meta)
+        if id(common.block_table) in index_of and id(common.seq_lens) in index_of:
+            seq_lens_index = index_of[id(common.seq_lens)]
+            tables[index_of[id(common.block_table)]] = common.block_size
+    return seq_lens_index, sorted(tables.items())
+
+
+def _mark_kv_width_dynamic() -> None:
+    """Trace every block table with a symbolic width (blocks read per request)."""
+    metas = [getattr(m, "common", m) for m in get_forward_context().attn_metadata.values()]
+    if len({m.block_size for m in metas}) > 1:
+        return        # one width per step needs one block size: keep max_model_len keys
+    for meta in metas:
+        table = meta.block_table
+        if table.shape[1] >= MIN_KV_BLOCKS:
+            torch._dynamo.mark_dynamic(table, 1, min=MIN_KV_BLOCKS, max=table.shape[1])
 
 
 class TracedGraph:
@@ -65,6 +115,7 @@ def trace_forward(fn: Callable[..., torch.Tensor], inputs: Sequence) -> TracedGr
     traced = TracedGraph()
     ctx = get_forward_context()
     ctx.inline_attention = True
+    _mark_kv_width_dynamic()
     try:
         torch.compile(fn, backend=traced, fullgraph=True, dynamic=False)(*inputs)
     finally:
@@ -75,9 +126,9 @@ def trace_forward(fn: Callable[..., torch.Tensor], inputs: Sequence) -> TracedGr
 
 
 def compile_traced(traced: TracedGraph) -> Any:
-    """A static-shape inductor artifact of a traced forward."""
+    """An inductor artifact of a traced forward: static shapes but the KV width."""
     return torch._inductor.standalone_compile(traced.gm, traced.inputs,
-                                              dynamic_shapes="from_example_inputs",
+                                              dynamic_shapes="from_graph",
                                               options=copy.deepcopy(INDUCTOR_OPTIONS))
 
 

@@ -130,15 +130,16 @@ def paged_attention_fusable(query: torch.Tensor, kv_cache: torch.Tensor,
     """The reference's result as elementwise ops and reductions a compiler fuses: the
     block-table gather becomes an indirect load inside the score and output reductions,
     so no K/V copy is made. Eager, it is slow; inside a compiled graph, it is the fast one.
+    It reads EVERY block of ``meta.block_table``: a compiled replay cuts the table to the
+    batch's longest sequence, so the cost follows the real context.
 
     query [T, num_heads, head_dim] -> [T, num_heads, head_dim] fp32; pad tokens give 0.
     """
     num_tokens_padded, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     req, pos, kv_len = token_positions(meta, num_tokens_padded)
-    num_blocks_read = _num_blocks_read(meta, block_size)
-    num_keys = num_blocks_read * block_size
-    blocks = meta.block_table[:, :num_blocks_read].long()[req]          # [T, nb]
+    num_keys = meta.block_table.shape[1] * block_size
+    blocks = meta.block_table.long()[req]                               # [T, nb]
     k = kv_cache[0][blocks].reshape(num_tokens_padded, num_keys, num_kv_heads, 1, head_dim)
     v = kv_cache[1][blocks].reshape(num_tokens_padded, num_keys, num_kv_heads, 1, head_dim)
     q = query.float().view(num_tokens_padded, 1, num_kv_heads, -1, head_dim)  # [T,1,kvh,g,hd]
