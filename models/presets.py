@@ -16,7 +16,9 @@ PRESETS: dict[str, dict] = {
                    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                    "tie_word_embeddings": True},
-    "bench-llama": {**_LLAMA_BASE, "vocab_size": 8192, "hidden_size": 512,
+    # NOTE: 4096 positions, so a bench can show attention cost following the real context
+    "bench-llama": {**_LLAMA_BASE, "max_position_embeddings": 4096, "vocab_size": 8192,
+                    "hidden_size": 512,
                     "intermediate_size": 1408, "num_hidden_layers": 8,
                     "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64},
     # SmolLM2-135M's shapes (30 layers, 9 query / 3 KV heads) with random weights: the
