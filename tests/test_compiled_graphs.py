@@ -9,6 +9,12 @@ import pytest
 import rung.graphs.compiled as compiled_graphs
 from rung.runtime import LLM, SamplingParams
 
+@pytest.fixture(autouse=True)
+def _python_wrapper(monkeypatch):
+    # NOTE: the Python wrapper compiles faster than the C++ one and computes the same
+    monkeypatch.setattr(compiled_graphs, "INDUCTOR_OPTIONS", {})
+
+
 PROMPTS = [[1, 72, 105, 33], [1, 5, 9, 200, 17, 3, 41, 8, 77], [1, 300]]
 
 
@@ -37,9 +43,7 @@ def _compiled_matches_eager(model: str, sizes: list[int], num_prompts: int) -> N
     assert set(replays) == {f"FULL:{s}" for s in sizes}, replays
 
 
-def test_compiled_full_decode_matches_eager_llama(monkeypatch):
-    # NOTE: the Python wrapper compiles faster than the C++ one and computes the same
-    monkeypatch.setattr(compiled_graphs, "INDUCTOR_OPTIONS", {})
+def test_compiled_full_decode_matches_eager_llama():
     # 1 and 2 decoding requests both replay the size-2 graph (one pad row, then none)
     _compiled_matches_eager("tiny-llama", [2], num_prompts=2)
 
@@ -52,8 +56,7 @@ def test_compiled_full_decode_matches_eager(model):
 
 
 @pytest.mark.slow
-def test_second_start_loads_and_a_corrupt_entry_is_rebuilt(tmp_path, monkeypatch):
-    monkeypatch.setattr(compiled_graphs, "INDUCTOR_OPTIONS", {})
+def test_second_start_loads_and_a_corrupt_entry_is_rebuilt(tmp_path):
     first = _compiled("tiny-llama", [2], str(tmp_path))
     want = _tokens(first, 2)
     [record] = first.engine.runner.graphs.records
