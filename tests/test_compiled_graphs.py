@@ -9,6 +9,7 @@ import pytest
 import rung.graphs.compiled as compiled_graphs
 from rung.runtime import LLM, SamplingParams
 
+
 @pytest.fixture(autouse=True)
 def _python_wrapper(monkeypatch):
     # NOTE: the Python wrapper compiles faster than the C++ one and computes the same
