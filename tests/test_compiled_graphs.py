@@ -41,7 +41,7 @@ def _compiled_matches_eager(model: str, sizes: list[int], num_prompts: int) -> N
     assert compiled.engine.runner.graphs.capture_backend.name == "compiled"
     assert _tokens(compiled, num_prompts) == _tokens(eager, num_prompts)
     replays = compiled.engine.stats()["graph_replays"]
-    assert set(replays) == {f"FULL:{s}" for s in sizes}, replays
+    assert replays and set(replays) <= {f"FULL:{s}" for s in sizes}, replays
 
 
 def test_compiled_full_decode_matches_eager_llama():
