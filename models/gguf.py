@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 GGUF_MAGIC = b"GGUF"
 
 # GGUF architecture -> HF model_type; llama.cpp permutes q/k rows of these for its rope.
-_ARCH_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3"}
+_ARCH_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3",
+                    "gemma4": "gemma4_text"}
 _PERMUTED_QK_ARCHS = ("llama", "mistral")
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
@@ -101,13 +102,22 @@ class GGUFModel:
             raise ValueError(f"GGUF file {self.path!r} lacks the metadata key {key!r}")
         return value
 
-    def _arch_field(self, key: str, default=None):
+    def arch_field(self, key: str, default=None):
         return self.field(f"{self.arch}.{key}", default)
+
+    def special_token_ids(self) -> dict:
+        return {"bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
+                "eos_token_id": self.field("tokenizer.ggml.eos_token_id"),
+                "pad_token_id": self.field("tokenizer.ggml.padding_token_id")}
 
     def _config(self) -> dict:
         """GGUF metadata -> the HF config dict of the matching rung model."""
-        hidden = self._required("embedding_length")
-        num_heads = self._required("attention.head_count")
+        if self.arch == "gemma4":
+            from rung.models import gguf_gemma4
+
+            return gguf_gemma4.text_config(self)
+        hidden = self.required("embedding_length")
+        num_heads = self.required("attention.head_count")
         names = {t.name for t in self.reader.tensors}
         if "rope_freqs.weight" in names:
             raise ValueError(f"GGUF file {self.path!r} carries rope_freqs (Llama 3 rope "
@@ -115,30 +125,42 @@ class GGUFModel:
         tokens = self.field("tokenizer.ggml.tokens")
         return {
             "model_type": _ARCH_MODEL_TYPE[self.arch],
-            "vocab_size": int(self._arch_field("vocab_size", len(tokens or ()))),
+            "vocab_size": int(self.arch_field("vocab_size", len(tokens or ()))),
             "hidden_size": int(hidden),
-            "intermediate_size": int(self._required("feed_forward_length")),
-            "num_hidden_layers": int(self._required("block_count")),
+            "intermediate_size": int(self.required("feed_forward_length")),
+            "num_hidden_layers": int(self.required("block_count")),
             "num_attention_heads": int(num_heads),
-            "num_key_value_heads": int(self._arch_field("attention.head_count_kv", num_heads)),
-            "head_dim": int(self._arch_field("attention.key_length", hidden // num_heads)),
-            "rms_norm_eps": float(self._required("attention.layer_norm_rms_epsilon")),
-            "rope_theta": float(self._arch_field("rope.freq_base", 10000.0)),
-            "max_position_embeddings": int(self._arch_field("context_length", 2048)),
+            "num_key_value_heads": int(self.arch_field("attention.head_count_kv", num_heads)),
+            "head_dim": int(self.arch_field("attention.key_length", hidden // num_heads)),
+            "rms_norm_eps": float(self.required("attention.layer_norm_rms_epsilon")),
+            "rope_theta": float(self.arch_field("rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self.arch_field("context_length", 2048)),
             "tie_word_embeddings": "output.weight" not in names,
-            "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": self.field("tokenizer.ggml.eos_token_id"),
-            "pad_token_id": self.field("tokenizer.ggml.padding_token_id"),
+            **self.special_token_ids(),
         }
 
-    def _required(self, key: str):
-        value = self._arch_field(key)
+    def required(self, key: str):
+        value = self.arch_field(key)
         if value is None:
             raise ValueError(f"GGUF file {self.path!r} lacks the metadata key "
-                             f"{self.arch}.{key!r}")
+                             f"{self.arch + '.' + key!r}")
         return value
 
     # --- tensors --------------------------------------------------------------------------
+    def _tensor(self, name: str):
+        for t in self.reader.tensors:
+            if t.name == name:
+                return t
+        raise ValueError(f"GGUF file {self.path!r} lacks the tensor {name!r}")
+
+    def tensor_rows(self, name: str) -> int:
+        """Outermost dimension of a tensor (rows of a matrix), read from its header."""
+        return _numpy_shape(self._tensor(name))[0]
+
+    def tensor_array(self, name: str) -> np.ndarray:
+        t = self._tensor(name)
+        return dequantize(t.data, t.tensor_type.name, _numpy_shape(t))
+
     def _check_tensor_types(self) -> None:
         supported = SUPPORTED_TYPES if _gguf_dequantize() else _FALLBACK_TYPES
         for t in self.reader.tensors:
@@ -149,6 +171,8 @@ class GGUFModel:
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, fp32 tensor in HF layout) for every tensor of the file."""
         for t in self.reader.tensors:
+            if self.arch == "gemma4" and t.name == "rope_freqs.weight":
+                continue            # NOTE: read into the config as the partial rotary factor
             name = self._hf_name(t.name)
             array = dequantize(t.data, t.tensor_type.name, _numpy_shape(t))
             if self.arch in _PERMUTED_QK_ARCHS:
@@ -157,6 +181,10 @@ class GGUFModel:
             yield name, torch.from_numpy(array if array.flags.writeable else array.copy())
 
     def _hf_name(self, name: str) -> str:
+        if self.arch == "gemma4":
+            from rung.models import gguf_gemma4
+
+            return gguf_gemma4.hf_name(name)
         stem, _, suffix = name.rpartition(".")
         if stem in _GLOBAL_TENSORS:
             return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
@@ -187,13 +215,16 @@ class GGUFModel:
         from rung.models.tokenizer import HFTokenizer
 
         model = self.field("tokenizer.ggml.model")
-        if model != "gpt2":
+        tokens, merges = self.field("tokenizer.ggml.tokens"), self.field("tokenizer.ggml.merges")
+        token_types = self.field("tokenizer.ggml.token_type")
+        if model == "gpt2":
+            tok = _byte_level_bpe(tokens, merges or [], token_types,
+                                  self.field("tokenizer.ggml.pre", "default"))
+        elif model == "gemma4":
+            tok = _sentencepiece_bpe(tokens, merges or [], token_types)
+        else:
             raise ValueError(f"GGUF file {self.path!r} has tokenizer model {model!r}; rung "
-                             "builds byte-level BPE tokenizers (tokenizer.ggml.model 'gpt2')")
-        tok = _byte_level_bpe(self.field("tokenizer.ggml.tokens"),
-                              self.field("tokenizer.ggml.merges") or [],
-                              self.field("tokenizer.ggml.token_type"),
-                              self.field("tokenizer.ggml.pre", "default"))
+                             "builds BPE tokenizers (tokenizer.ggml.model 'gpt2' or 'gemma4')")
         return HFTokenizer(tok, eos_token_id=self.config["eos_token_id"],
                            bos_token_id=self.config["bos_token_id"],
                            add_bos_token=bool(self.field("tokenizer.ggml.add_bos_token", False)),
@@ -260,12 +291,13 @@ def dequantize_numpy(data: np.ndarray, type_name: str) -> np.ndarray:
 # llama.cpp pre-tokenizer names whose splitting rung reproduces with `tokenizers`.
 _DIGIT_SPLIT_PRE = ("smollm",)
 _BYTE_LEVEL_PRE = ("default", "gpt2", "smollm", "starcoder", "refact", "olmo")
+_SPACE = "\u2581"             # SentencePiece's visible space
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int] | None,
                     pre: str):
     """A `tokenizers.Tokenizer` for a GPT-2 style byte-level BPE vocabulary."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     if pre not in _BYTE_LEVEL_PRE:
         logger.warning("GGUF pre-tokenizer %r is not one rung knows (%s); splitting text "
@@ -280,9 +312,35 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int]
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
+    _add_special_tokens(tok, tokens, token_types)
+    return tok
+
+
+def _add_special_tokens(tok, tokens: list[str], token_types: list[int] | None) -> None:
+    """Control tokens match whole and are skipped when decoding; user-defined ones match
+    whole and are kept (llama.cpp splits text on both before BPE)."""
+    from tokenizers import AddedToken
+
     types = token_types or []
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                             for i, t in enumerate(types) if t == _TOKEN_CONTROL])
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                     for i, t in enumerate(types) if t == _TOKEN_USER_DEFINED])
+
+
+def _sentencepiece_bpe(tokens: list[str], merges: list[str], token_types: list[int] | None):
+    """A `tokenizers.Tokenizer` for llama.cpp's "gemma4" vocabulary: BPE over raw UTF-8
+    with spaces written as U+2581, newline runs split off (llama.cpp's gemma4 pre-tokenizer),
+    bytes outside the vocabulary as ``<0xNN>`` tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, byte_fallback=True, fuse_unk=False,
+                               unk_token="<unk>" if "<unk>" in vocab else None))
+    tok.normalizer = normalizers.Replace(" ", _SPACE)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
+    tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
+    _add_special_tokens(tok, tokens, token_types)
     return tok
