@@ -91,11 +91,12 @@ def _gguf_tensor_name(name_map, hf_name: str) -> str:
     return match + ".weight"
 
 
-def write_gemma4_gguf(path, hf_model, *, drop_keys=(), extra_keys=None,
-                      extra_tensors=None) -> str:
+def write_gemma4_gguf(path, hf_model, *, qtype: str = "F32", drop_keys=(), extra_keys=None,
+                      extra_tensors=None, extra_strings=None) -> str:
     """A GGUF file of ``hf_model`` (a Gemma4ForCausalLM) the way llama.cpp's converter
     writes one: metadata per layer type, rope_freqs for proportional RoPE, gguf's own
-    tensor-name map, router scales renamed, norms as they are (no +1)."""
+    tensor-name map, router scales renamed, norms as they are (no +1); matrices and expert
+    stacks in ``qtype``, vectors in F32."""
     hp = hf_model.config_json
     arch = "gemma4"
     w = gguf.GGUFWriter(str(path), arch)
@@ -149,6 +150,8 @@ def write_gemma4_gguf(path, hf_model, *, drop_keys=(), extra_keys=None,
     w.add_pad_token_id(0)
     w.add_add_space_prefix(False)
     w.add_add_bos_token(True)
+    for key, value in (extra_strings or {}).items():
+        w.add_string(key, value)
     # proportional RoPE of full layers: divisor 1 for rotated pairs, 1e30 for the others
     rotated = int(global_head_dim * rope["full_attention"]["partial_rotary_factor"] / 2)
     w.add_tensor("rope_freqs.weight", np.array(
@@ -157,7 +160,12 @@ def write_gemma4_gguf(path, hf_model, *, drop_keys=(), extra_keys=None,
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and hp["tie_word_embeddings"]:
             continue                 # a tied checkpoint holds no lm_head
-        w.add_tensor(_gguf_tensor_name(name_map, name), tensor.float().numpy())
+        data, gguf_name = tensor.float().numpy(), _gguf_tensor_name(name_map, name)
+        if data.ndim >= 2 and qtype != "F32":
+            kind = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(gguf_name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(gguf_name, data)
     for name, array in (extra_tensors or {}).items():
         w.add_tensor(name, array)
     w.write_header_to_file()
@@ -178,13 +186,17 @@ def _generate(llm: LLM, prompts: list[list[int]]):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
 
 
+def _convert(name: str, tmp_path_factory):
+    """(name, HF model, HF folder, GGUF path) of one config."""
+    hf_model = _hf_model(CONFIGS[name])
+    tmp = tmp_path_factory.mktemp(name)
+    folder = save_hf_model(hf_model, tmp / "hf")
+    return name, hf_model, folder, write_gemma4_gguf(tmp / "m.gguf", hf_model)
+
+
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def converted(request, tmp_path_factory):
-    """(name, HF model, HF folder, GGUF path) of one config."""
-    hf_model = _hf_model(CONFIGS[request.param])
-    tmp = tmp_path_factory.mktemp(request.param)
-    folder = save_hf_model(hf_model, tmp / "hf")
-    return request.param, hf_model, folder, write_gemma4_gguf(tmp / "m.gguf", hf_model)
+    return _convert(request.param, tmp_path_factory)
 
 
 def test_gguf_matches_hf_folder_and_transformers(converted):
@@ -218,6 +230,46 @@ def test_config_maps_every_field(converted):
     if name == "tiny-gemma4-moe":
         for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
             assert cfg[key] == want[key], key
+
+
+def test_graphs_match_eager(tmp_path_factory):
+    """Under (emulated) graphs a GGUF-loaded Gemma 4 gives the eager tokens."""
+    _, _, folder, path = _convert("shared-kv", tmp_path_factory)
+    prompts = random_prompts(VOCAB, lens=[1, 9, 23])
+    llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=32,
+              max_model_len=96, compilation_config={"cudagraph_capture_sizes": [1, 2, 4]})
+    graphs = _generate(llm, prompts)
+    assert llm.engine.stats()["graph_replays"], "no step replayed a graph"
+    eager = _generate(_llm(folder), prompts)
+    assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
+
+
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0"])
+def test_quantized_experts_dequantize(tmp_path, qtype):
+    """Quantized expert stacks (3D) and matrices load as gguf's own dequantization."""
+    hf_model = _hf_model(CONFIGS["tiny-gemma4-moe"])
+    path = write_gemma4_gguf(tmp_path / "q.gguf", hf_model, qtype=qtype)
+    experts = load_model(path).model.model.layers[1].experts
+    kind = gguf.GGMLQuantizationType[qtype]
+    for name in ("gate_up_proj", "down_proj"):
+        want = hf_model.state_dict()[f"model.layers.1.experts.{name}"].numpy()
+        want = gguf.quants.dequantize(gguf.quants.quantize(want, kind), kind)
+        np.testing.assert_array_equal(getattr(experts, name).detach().numpy(), want)
+
+
+def test_chat_uses_gguf_template(tmp_path, dense_model):
+    template = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+                "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+                "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+    path = write_gemma4_gguf(tmp_path / "chat.gguf", dense_model,
+                             extra_strings={"tokenizer.chat_template": template})
+    llm = _llm(path)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out, = llm.chat([{"role": "user", "content": "the"}], params)
+    assert out.prompt == "<bos><start_of_turn>user\nthe<end_of_turn>\n<start_of_turn>model\n"
+    tokens = _vocab()
+    assert out.prompt_token_ids[:3] == [2, tokens.index("<start_of_turn>"), tokens.index("<0x75>")]
+    assert len(out.outputs[0].token_ids) == 4
 
 
 # --- tokenizer -----------------------------------------------------------------------------
