@@ -96,38 +96,26 @@ def hf_name(name: str) -> str:
 def text_config(model) -> dict:
     """The HF-style Gemma 4 text config of a ``gemma4`` GGUFModel (see the module doc)."""
     _check_keys(model)
+    _check_no_per_layer_inputs(model)
     num_layers = int(model.required("block_count"))
-    per_layer_input = int(model.arch_field("embedding_length_per_layer_input", 0))
-    if per_layer_input:
-        raise ValueError(f"GGUF file {model.path!r} has gemma4.embedding_length_per_layer_input"
-                         f"={per_layer_input}: per-layer input embeddings are not supported "
-                         "by rung's Gemma 4 text decoder")
     layer_types = _layer_types(model, num_layers)
     num_shared = int(model.arch_field("attention.shared_kv_layers", 0))
-    head_dims = _head_dims(model, layer_types)
-    kv_heads = _per_layer(model, "attention.head_count_kv", num_layers,
-                          model.required("attention.head_count"))
-    base_kv = kv_heads[layer_types.index(SLIDING)] if SLIDING in layer_types else kv_heads[0]
-    overrides = {}
-    for i, t in enumerate(layer_types):
-        o = {k: v for k, v, base in (("head_dim", head_dims[t], head_dims[SLIDING]),
-                                     ("num_key_value_heads", kv_heads[i], base_kv)) if v != base}
-        if o:
-            overrides[str(i)] = o
+    head_dims = _head_dims(model)
+    num_kv_heads, per_layer_config = _kv_heads(model, layer_types, head_dims)
     intermediate, double_wide = _ffn_widths(model, num_layers, num_shared)
     names = {t.name for t in model.reader.tensors}
-    cfg = {
+    return {
         "model_type": "gemma4_text",
-        "vocab_size": model.tensor_rows("token_embd.weight"),
+        "vocab_size": model.tensor_rows("token_embd.weight"),   # cut to the tokenizer's size
         "hidden_size": int(model.required("embedding_length")),
         "intermediate_size": intermediate,
         "use_double_wide_mlp": double_wide,
         "num_hidden_layers": num_layers,
         "num_attention_heads": int(model.required("attention.head_count")),
-        "num_key_value_heads": base_kv,
+        "num_key_value_heads": num_kv_heads,
         "head_dim": head_dims[SLIDING],
         "global_head_dim": head_dims[FULL],
-        "per_layer_config": overrides,
+        "per_layer_config": per_layer_config,
         "layer_types": layer_types,
         "sliding_window": int(model.required("attention.sliding_window")),
         "num_kv_shared_layers": num_shared,
@@ -142,24 +130,49 @@ def text_config(model) -> dict:
         **model.special_token_ids(),
         **_moe(model, num_layers, names),
     }
-    return cfg
 
 
 def _check_keys(model) -> None:
     prefix = f"{model.arch}."
-    unknown = sorted(k[len(prefix):] for k in model.reader.fields
+    unknown = sorted(k for k in model.reader.fields
                      if k.startswith(prefix) and k[len(prefix):] not in KNOWN_KEYS)
     if unknown:
-        raise ValueError(f"GGUF file {model.path!r} has metadata {prefix + unknown[0]!r} that "
-                         f"rung's Gemma 4 loader does not know (it reads {prefix}"
-                         f"{{{', '.join(sorted(KNOWN_KEYS))}}})")
+        raise ValueError(f"GGUF file {model.path!r} has metadata {unknown[0]!r} that rung's "
+                         "Gemma 4 loader does not know; it may change the model, so rung "
+                         "refuses to guess")
+
+
+def _check_no_per_layer_inputs(model) -> None:
+    size = int(model.arch_field("embedding_length_per_layer_input", 0))
+    if size:
+        raise ValueError(f"GGUF file {model.path!r} has {model.arch}.embedding_length_per_layer_"
+                         f"input={size}: per-layer input embeddings (Gemma 4 E2B/E4B) are not "
+                         "supported by rung's Gemma 4 text decoder")
+
+
+def _kv_heads(model, layer_types: list[str], head_dims: dict[str, int]) -> tuple[int, dict]:
+    """(num_key_value_heads, per_layer_config): the sliding layers' KV head count, and each
+    layer whose head dim or KV head count differs from the sliding layers' (full layers)."""
+    num_heads = model.required("attention.head_count")
+    kv_heads = _per_layer(model, "attention.head_count_kv", len(layer_types), num_heads)
+    base_kv = kv_heads[layer_types.index(SLIDING)] if SLIDING in layer_types else kv_heads[0]
+    per_layer_config = {}
+    for i, layer_type in enumerate(layer_types):
+        override = {}
+        if head_dims[layer_type] != head_dims[SLIDING]:
+            override["head_dim"] = head_dims[layer_type]
+        if kv_heads[i] != base_kv:
+            override["num_key_value_heads"] = kv_heads[i]
+        if override:
+            per_layer_config[str(i)] = override
+    return base_kv, per_layer_config
 
 
 def _per_layer(model, key: str, num_layers: int, default=None) -> list[int]:
     """A scalar or per-layer array metadata value -> one int per layer."""
     value = model.arch_field(key, default)
     if value is None:
-        model.required(key)
+        value = model.required(key)           # raises, naming the key
     values = [int(v) for v in value] if isinstance(value, list) else [int(value)] * num_layers
     if len(values) != num_layers:
         raise ValueError(f"GGUF file {model.path!r}: {model.arch}.{key} has {len(values)} "
@@ -180,7 +193,7 @@ def _layer_types(model, num_layers: int) -> list[str]:
     return types
 
 
-def _head_dims(model, layer_types: list[str]) -> dict[str, int]:
+def _head_dims(model) -> dict[str, int]:
     """{layer type: head_dim}; keys and values must share it (as llama.cpp requires)."""
     dims = {FULL: int(model.required("attention.key_length")),
             SLIDING: int(model.required("attention.key_length_swa"))}
