@@ -14,12 +14,16 @@ from torch import nn
 
 from rung.models.gguf import GGUFModel, is_gguf
 from rung.models.layers import init_random_weights, pretranspose_linear_weights
-from rung.models.presets import NAMED_FILES, PRESETS
+from rung.models.presets import NAMED_FILES, PRESETS, TRAINED_PRESETS
 from rung.models.registry import model_class
 from rung.models.tokenizer import ByteTokenizer, load_tokenizer
 from rung.models.weights import iterate_safetensors
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# Seeds of random weights: fixed per role, never the engine's sampling seed, so a preset is
+# one model (trained drafters are fitted to it) whatever seed a user samples with.
+WEIGHT_SEED, DRAFT_WEIGHT_SEED = 0, 1
+WEIGHTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
 
 
 @dataclasses.dataclass
@@ -97,7 +101,7 @@ def peek_model(model: str) -> tuple[dict, Any]:
 
 
 def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               load_format: str = "auto", seed: int = 0) -> LoadedModel:
+               load_format: str = "auto", seed: int = WEIGHT_SEED) -> LoadedModel:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} not in {LOAD_FORMATS}")
     path = resolve_model_path(model)
@@ -107,15 +111,29 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cp
     cls = model_class(cfg)
     cfg = getattr(cls, "text_config", lambda c: c)(cfg)
     net = _build(cls, cfg, model, folder)
-    if folder is None or load_format == "dummy":
+    weights = folder if folder is not None else _trained_preset(model)
+    random_weights = weights is None or load_format == "dummy"
+    if random_weights:
         init_random_weights(net, seed)
     else:
-        net.load_weights(iterate_safetensors(folder))
+        net.load_weights(iterate_safetensors(weights))
     net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if torch.device(device).type == "cpu":
         pretranspose_linear_weights(net)   # the CPU GEMM is fastest on x @ Wt
     tokenizer = ByteTokenizer() if folder is None else load_tokenizer(folder, cfg)
-    return LoadedModel(net, cfg, tokenizer, model, folder is None or load_format == "dummy")
+    return LoadedModel(net, cfg, tokenizer, model, random_weights)
+
+
+def _trained_preset(model: str) -> str | None:
+    """The folder of a preset's shipped weights; None for random-weight presets."""
+    if model not in TRAINED_PRESETS:
+        return None
+    folder = os.path.join(WEIGHTS_DIR, model)
+    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+        raise ValueError(f"preset {model!r} ships trained weights, but {folder} has no "
+                         "model.safetensors (reinstall rung, or run "
+                         "`python -m rung.bench.train_mtp`)")
+    return folder
 
 
 @functools.lru_cache(maxsize=2)

