@@ -105,6 +105,12 @@ class GGUFModel:
     def arch_field(self, key: str, default=None):
         return self.field(f"{self.arch}.{key}", default)
 
+    def generation_stop_ids(self) -> tuple[int, ...]:
+        """End-of-turn / end-of-message ids llama.cpp also stops on (EOT, EOM), if any."""
+        ids = (self.field("tokenizer.ggml.eot_token_id"),
+               self.field("tokenizer.ggml.eom_token_id"))
+        return tuple(int(i) for i in ids if i is not None)
+
     def special_token_ids(self) -> dict:
         return {"bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
                 "eos_token_id": self.field("tokenizer.ggml.eos_token_id"),

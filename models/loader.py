@@ -33,6 +33,9 @@ class LoadedModel:
     tokenizer: Any        # None when the folder has no tokenizer.json
     name: str
     random_weights: bool = False   # presets and load_format "dummy"
+    # End-of-generation ids besides the tokenizer's EOS (chat models end a turn on their own
+    # token): HF generation_config.json / config.json EOS lists, GGUF EOT / EOM ids.
+    generation_stop_ids: tuple[int, ...] = ()
 
 
 def resolve_model_path(model: str) -> str:
@@ -121,7 +124,29 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cp
     if torch.device(device).type == "cpu":
         pretranspose_linear_weights(net)   # the CPU GEMM is fastest on x @ Wt
     tokenizer = ByteTokenizer() if folder is None else load_tokenizer(folder, cfg)
-    return LoadedModel(net, cfg, tokenizer, model, random_weights)
+    stop_ids = () if folder is None else _generation_stop_ids(folder, cfg)
+    return LoadedModel(net, cfg, tokenizer, model, random_weights, stop_ids)
+
+
+def _generation_stop_ids(folder: str, cfg: dict) -> tuple[int, ...]:
+    """Every EOS id config.json and generation_config.json list (vLLM stops on them all)."""
+    ids = _id_list(cfg.get("eos_token_id"))
+    path = os.path.join(folder, "generation_config.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            try:
+                generation = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from None
+        ids += _id_list(generation.get("eos_token_id") if isinstance(generation, dict) else None)
+    return tuple(dict.fromkeys(ids))
+
+
+def _id_list(value: Any) -> list[int]:
+    """An id or a list of ids (HF's two spellings of eos_token_id) -> list."""
+    if isinstance(value, int):
+        return [value]
+    return [v for v in value if isinstance(v, int)] if isinstance(value, list) else []
 
 
 def _trained_preset(model: str) -> str | None:
@@ -156,4 +181,5 @@ def _load_gguf(path: str, name: str, dtype: torch.dtype, device: str, load_forma
     net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if torch.device(device).type == "cpu":
         pretranspose_linear_weights(net)
-    return LoadedModel(net, cfg, gguf_model.tokenizer(), name, load_format == "dummy")
+    return LoadedModel(net, cfg, gguf_model.tokenizer(), name, load_format == "dummy",
+                       gguf_model.generation_stop_ids())

@@ -155,6 +155,7 @@ class LLMEngine:
             eos = self.loaded.config.get("eos_token_id")
             eos = eos[0] if isinstance(eos, list) else eos
         self._check_params(params)
+        params = self._with_generation_stops(params, eos)
         if params.n == 1:
             self._add(Request(request_id, text, token_ids, params, eos, self._arrivals))
             return
@@ -164,6 +165,17 @@ class LLMEngine:
             self._child_index[child_id] = (parent, index)
             self._add(Request(child_id, text, token_ids, parent.child_params(params, index),
                               eos, self._arrivals))
+
+    def _with_generation_stops(self, params: SamplingParams, eos: int | None) -> SamplingParams:
+        """The model's other end-of-generation ids (a chat model's end of turn) stop the request
+        too, unless ``ignore_eos``; as vLLM does with generation_config. The caller's params
+        are left as they were."""
+        vocab = self.runner.vocab_size
+        extra = [t for t in self.loaded.generation_stop_ids
+                 if t != eos and t not in params.stop_token_ids and 0 <= t < vocab]
+        if params.ignore_eos or not extra:
+            return params
+        return dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
 
     def _add(self, req: Request) -> None:
         self._arrivals += 1

@@ -64,7 +64,8 @@ def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(path, hf_model=None, arch: str = "llama", qtype: str = "F32",
-               tokenizer_model: str = "gpt2", chat_template: str | None = CHATML) -> str:
+               tokenizer_model: str = "gpt2", chat_template: str | None = CHATML,
+               eot_token_id: int | None = None) -> str:
     """A GGUF file of ``hf_model`` the way llama.cpp's converter writes one."""
     hf_model = hf_model if hf_model is not None else _hf_model(arch)
     cfg = hf_model.config
@@ -88,6 +89,8 @@ def write_gguf(path, hf_model=None, arch: str = "llama", qtype: str = "F32",
     w.add_token_types([3 if t in SPECIALS else 1 for t in vocab])
     w.add_bos_token_id(1)
     w.add_eos_token_id(4)
+    if eot_token_id is not None:
+        w.add_eot_token_id(eot_token_id)
     w.add_add_bos_token(False)
     if chat_template:
         w.add_chat_template(chat_template)
