@@ -234,6 +234,11 @@ class LLMEngine:
         if req is not None and not req.is_finished:
             self._finish(req, "abort")
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (e.g. between benchmark runs); False while requests
+        still hold blocks."""
+        return self.kv.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

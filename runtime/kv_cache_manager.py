@@ -24,10 +24,13 @@ import collections
 import dataclasses
 import hashlib
 import itertools
+import logging
 
 import numpy as np
 
 from rung.core.kv_cache_spec import KVCacheGroup
+
+logger = logging.getLogger(__name__)
 
 NULL_BLOCK = 0  # never allocated nor cached; pad rows and freed entries point here
 
@@ -108,6 +111,15 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash)
 
+    def reset_cache(self) -> None:
+        """Forget every cached hash; only valid while no block is held."""
+        if self.num_used:
+            raise RuntimeError(f"resetting the prefix cache while {self.num_used} KV blocks "
+                               "are held")
+        self.block_hash = [None] * self.num_blocks
+        self.cached.clear()
+        self.num_cached_free = 0
+
 
 class RequestBlocks(list):
     """One block list per KV cache group, and a ``version`` that changes (to a value
@@ -178,6 +190,19 @@ class KVCacheManager:
     @property
     def num_used_blocks(self) -> int:
         return sum(p.num_used for p in self.pools)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block and the hit statistics (vLLM's `reset_prefix_cache`).
+        Refused (False, with a warning) while requests hold blocks: their hashes are live."""
+        num_used = self.num_used_blocks
+        if num_used:
+            logger.warning("prefix cache not reset: %d KV blocks are still held by requests",
+                           num_used)
+            return False
+        for pool in self.pools:
+            pool.reset_cache()
+        self.prefix_stats = PrefixCacheStats()
+        return True
 
     def blocks_held(self, request_id: str) -> list[int]:
         """Live (non-null) blocks the request holds, per group."""

@@ -71,6 +71,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block, as vLLM's ``LLM.reset_prefix_cache``; False (and a
+        warning) while requests still hold blocks."""
+        return self.engine.reset_prefix_cache()
+
     def generate(self, prompts: Prompt | Iterable[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True,

@@ -274,3 +274,26 @@ def test_bench_shared_prefix_reports_both_variants_side_by_side(tmp_path, capsys
     assert rows["prefix_caching"]["prefill_tokens_per_round"] == 208 + 15 * 16
     assert report["prefill_tokens_reduction"] >= 0.85 and report["tokens_identical"]
     assert "TTFT p50" in capsys.readouterr().out
+
+
+def test_reset_prefix_cache_forgets_cached_blocks_only_when_none_is_held(caplog):
+    """vLLM's LLM.reset_prefix_cache: refused while a request holds blocks; afterwards the
+    same prompt hits nothing, its tokens are unchanged and the hit statistics start over."""
+    llm = LLM("tiny-llama", enforce_eager=True, max_model_len=128, max_num_seqs=4)
+    prompt = {"prompt_token_ids": [3 + i % 50 for i in range(40)]}        # 2 full blocks
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    engine = llm.engine
+    engine.add_request("held", prompt, params)
+    engine.step()
+    assert engine.stats()["prefix_cache"]["hit_tokens"] > 0
+    assert llm.reset_prefix_cache() is False and "still held" in caplog.text
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.reset_prefix_cache() is True
+    assert engine.kv.num_cached_free_blocks == 0
+    assert engine.stats()["prefix_cache"]["queries"] == 0
+    again = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == first
+    assert engine.stats()["prefix_cache"]["hit_tokens"] == 0
+    engine.kv.check_consistency()
