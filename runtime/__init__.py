@@ -9,6 +9,7 @@ _EXPORTS = {
     "LLM": "rung.runtime.llm",
     "LLMEngine": "rung.runtime.engine",
     "SamplingParams": "rung.runtime.sampling_params",
+    "RequestOutputKind": "rung.runtime.sampling_params",
     "RequestOutput": "rung.runtime.outputs",
     "CompletionOutput": "rung.runtime.outputs",
     "Logprob": "rung.runtime.outputs",

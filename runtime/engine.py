@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import sys
 import time
@@ -21,6 +22,7 @@ from rung.models.loader import LoadedModel, load_model
 from rung.models.moe import shard_experts
 from rung.runtime.config import EngineConfig
 from rung.runtime.data_parallel import DataParallelGroup, DPStep, init_data_parallel
+from rung.runtime.detokenizer import find_stop_string
 from rung.runtime.kernel_warmup import sweep_attention_shapes
 from rung.runtime.kv_cache_manager import KVCacheManager
 from rung.runtime.log import configure_logging
@@ -28,7 +30,7 @@ from rung.runtime.model_runner import ModelRunner, ModelRunnerOutput
 from rung.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from rung.runtime.parallel_sampling import ParentRequest
 from rung.runtime.request import Request
-from rung.runtime.sampling_params import SamplingParams
+from rung.runtime.sampling_params import RequestOutputKind, SamplingParams
 from rung.runtime.scheduler import Scheduler, SchedulerOutput
 from rung.runtime.spec_decode import SpecStats, make_proposer
 
@@ -157,14 +159,15 @@ class LLMEngine:
         self._check_params(params)
         params = self._with_generation_stops(params, eos)
         if params.n == 1:
-            self._add(Request(request_id, text, token_ids, params, eos, self._arrivals))
+            self._add(Request(request_id, text, token_ids, params, eos, self._arrivals,
+                              self.tokenizer))
             return
         parent = ParentRequest(request_id, params)
         self._parents[request_id] = parent
         for index, child_id in enumerate(parent.child_ids):
             self._child_index[child_id] = (parent, index)
             self._add(Request(child_id, text, token_ids, parent.child_params(params, index),
-                              eos, self._arrivals))
+                              eos, self._arrivals, self.tokenizer))
 
     def _with_generation_stops(self, params: SamplingParams, eos: int | None) -> SamplingParams:
         """The model's other end-of-generation ids (a chat model's end of turn) stop the request
@@ -350,8 +353,9 @@ class LLMEngine:
             self.kv.advance(req)      # hash blocks now full, free blocks out of the window
             if s.num_spec_tokens and new:
                 self.spec_stats.record(s.num_spec_tokens, num_accepted)
-            if new:
-                outputs.append(self._append(req, new, result.logprobs.get(req.request_id)))
+            out = self._append(req, new, result.logprobs.get(req.request_id)) if new else None
+            if out is not None:
+                outputs.append(out)
         return outputs
 
     def _propose(self, sched: SchedulerOutput, result: ModelRunnerOutput,
@@ -383,7 +387,8 @@ class LLMEngine:
                 f"{self.config.block_size} tokens: it can never run (shorten the prompt or "
                 "give the KV cache more blocks)")
 
-    def _append(self, req: Request, new: list[int], logprobs: list | None) -> RequestOutput:
+    def _append(self, req: Request, new: list[int], logprobs: list | None
+                ) -> RequestOutput | None:
         for i, token in enumerate(new):
             req.token_ids.append(token)
             if logprobs is not None and req.logprobs is not None:
@@ -394,7 +399,7 @@ class LLMEngine:
                 reason = "stop"
             if reason is not None:
                 req.finish_reason = reason
-                if reason == "stop" and token != req.eos_token_id and req.text_end is None:
+                if reason == "stop" and token != req.eos_token_id and req.stop_reason is None:
                     req.stop_reason = token
                 break
         if req.finish_reason is not None:
@@ -409,23 +414,17 @@ class LLMEngine:
                 for t, lp in logprobs.items()}
 
     def _hits_stop_string(self, req: Request) -> bool:
-        """Whether the output text now holds a stop string; if so, where the text ends.
-
-        NOTE: only the text from ``stop_scan_from`` on (minus the longest stop string) is
-        searched, so a stop string is found once, at its first occurrence.
-        """
-        p = req.params
+        """Whether the text the last token added completes a stop string; if so, the text
+        is cut where it ends. Costs one short decode, not a decode of the whole output."""
+        p, detok = req.params, req.detokenizer
+        num_new_chars = detok.update(req.num_output_tokens)
         if req.num_output_tokens < p.min_tokens:
             return False
-        text = self.tokenizer.decode(req.output_token_ids)
-        start = max(req.stop_scan_from - max(map(len, p.stop)) + 1, 0)
-        req.stop_scan_from = len(text)
-        hits = [(i, stop) for stop in p.stop if (i := text.find(stop, start)) >= 0]
-        if not hits:
+        hit = find_stop_string(detok.text, num_new_chars, p.stop, p.include_stop_str_in_output)
+        if hit is None:
             return False
-        index, stop = min(hits)
-        req.stop_reason = stop
-        req.text_end = index + (len(stop) if p.include_stop_str_in_output else 0)
+        req.stop_reason, text_end = hit
+        detok.truncate(text_end)
         return True
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
@@ -450,15 +449,27 @@ class LLMEngine:
         del self.requests[req.request_id]
         return out
 
-    def _output(self, req: Request) -> RequestOutput:
-        decode = self.tokenizer.decode if self.tokenizer is not None else None
-        # NOTE: output_token_ids is already a fresh slice; it is not copied again
-        completion = CompletionOutput(0, req.output_token_ids,
+    def _output(self, req: Request) -> RequestOutput | None:
+        """The request's output as its ``output_kind`` asks (None: nothing to report yet)."""
+        kind = req.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not req.is_finished:
+            return None
+        first = req.num_sent_tokens if kind == RequestOutputKind.DELTA else 0
+        # NOTE: the slice is the output's own copy of the ids
+        token_ids = req.token_ids[req.num_prompt_tokens + first:]
+        completion = CompletionOutput(0, token_ids,
                                       req.cumulative_logprob if req.logprobs is not None
                                       else None,
-                                      list(req.logprobs) if req.logprobs is not None else None,
-                                      req.finish_reason, req.stop_reason, decode, req.error,
-                                      req.text_end)
+                                      req.logprobs[first:] if req.logprobs is not None else None,
+                                      req.finish_reason, req.stop_reason, error=req.error)
+        detok = req.detokenizer
+        if kind == RequestOutputKind.DELTA:
+            text = detok.text_at(req.num_output_tokens, req.is_finished) if detok else ""
+            completion.text = text[req.num_sent_chars:]
+            req.num_sent_tokens, req.num_sent_chars = req.num_output_tokens, len(text)
+        elif detok is not None:
+            completion.detokenize = functools.partial(detok.text_at, req.num_output_tokens,
+                                                      req.is_finished)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
                              req.is_finished)
 

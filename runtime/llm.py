@@ -21,8 +21,8 @@ from rung.runtime.config import (
 )
 from rung.runtime.data_parallel import ROUTING_POLICIES, route_requests
 from rung.runtime.engine import LLMEngine, Prompt
-from rung.runtime.outputs import RequestOutput
-from rung.runtime.sampling_params import SamplingParams
+from rung.runtime.outputs import CompletionOutput, RequestOutput
+from rung.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -93,6 +93,9 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        # NOTE: generate returns finished outputs only: the engine makes no others
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                  for p in params]
         base = self._num_prompts
         self._num_prompts += len(prompts)
         ids = [f"gen-{base + i}" for i in range(len(prompts))]
@@ -158,17 +161,12 @@ class LLM:
         return list(ranks)
 
     def _gather_outputs(self, done: dict[str, RequestOutput]) -> dict[str, RequestOutput]:
-        """Every rank's finished outputs, on every rank."""
-        local = {rid: dataclasses.replace(
-            out, outputs=[dataclasses.replace(c, detokenize=None) for c in out.outputs])
-            for rid, out in done.items()}
-        decode = self.engine.tokenizer.decode if self.engine.tokenizer is not None else None
+        """Every rank's finished outputs, on every rank (each text decoded where it ran)."""
+        local = {rid: dataclasses.replace(out, outputs=[_with_text(c) for c in out.outputs])
+                 for rid, out in done.items()}
         merged: dict[str, RequestOutput] = {}
         for part in self.engine.dp.all_gather_object(local):
-            for rid, out in part.items():
-                merged[rid] = dataclasses.replace(
-                    out, outputs=[dataclasses.replace(c, detokenize=decode)
-                                  for c in out.outputs])
+            merged.update(part)
         return merged
 
     def chat(self, messages: Conversation | list[Conversation],
@@ -185,3 +183,10 @@ class LLM:
                                        add_generation_prompt, self.engine.config.model)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _with_text(completion: CompletionOutput) -> CompletionOutput:
+    """A copy that carries its text itself (it pickles without the detokenizer)."""
+    copy = dataclasses.replace(completion, detokenize=None)
+    copy.text = completion.text
+    return copy

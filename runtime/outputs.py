@@ -22,18 +22,21 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None    # "length" | "stop" | "abort" | "error"
     stop_reason: int | str | None = None
-    detokenize: Callable[[list[int]], str] | None = dataclasses.field(
+    # the text, computed when first read: () -> str (see `text`)
+    detokenize: Callable[[], str] | None = dataclasses.field(
         default=None, repr=False, compare=False)
     error: str | None = None            # why, when finish_reason is "error"
-    # the text ends here (a stop string was hit), None for the whole decoded text
-    text_end: int | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @functools.cached_property
     def text(self) -> str:
-        """Decoded on first access: streaming outputs that nobody reads cost nothing."""
+        """Computed on first access, so streaming outputs that nobody reads cost nothing;
+        the request's incremental detokenizer makes that cheap (no full re-decode).
+        Unfinished outputs never end in a broken character (nor in what may start a
+        hidden stop string); a finished one is the full decode, cut at a stop string.
+        Under ``output_kind=DELTA`` it holds only the text new since the last output."""
         if self.detokenize is None:
             return ""
-        return self.detokenize(self.token_ids)[:self.text_end]
+        return self.detokenize()
 
     def __repr__(self) -> str:
         fields = [f"index={self.index}", f"text={self.text!r}", f"token_ids={self.token_ids}",

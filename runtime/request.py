@@ -6,6 +6,7 @@ import enum
 
 import torch
 
+from rung.runtime.detokenizer import IncrementalDetokenizer
 from rung.runtime.sampling_params import SamplingParams
 
 
@@ -18,7 +19,8 @@ class RequestStatus(enum.Enum):
 
 class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, eos_token_id: int | None, arrival: int) -> None:
+                 params: SamplingParams, eos_token_id: int | None, arrival: int,
+                 tokenizer=None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -33,8 +35,13 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None       # why it finished with "error"
-        self.text_end: int | None = None    # output text ends here (a stop string was hit)
-        self.stop_scan_from = 0             # output text before this holds no stop string
+        # the output text, grown as tokens arrive (None without a tokenizer)
+        self.detokenizer = (IncrementalDetokenizer(tokenizer.decode, self.token_ids,
+                                                   len(self.prompt_token_ids),
+                                                   _stop_buffer_length(params))
+                            if tokenizer is not None else None)
+        self.num_sent_tokens = 0            # output_kind DELTA: output ids already sent
+        self.num_sent_chars = 0             # output_kind DELTA: text already sent
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.num_preemptions = 0
@@ -60,3 +67,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+
+def _stop_buffer_length(params: SamplingParams) -> int:
+    """Trailing characters a stream holds back: they may start a stop string the output
+    must not show."""
+    if not params.stop or params.include_stop_str_in_output:
+        return 0
+    return max(map(len, params.stop)) - 1

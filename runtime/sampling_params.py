@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request holds (vLLM's names)."""
+
+    CUMULATIVE = 0      # every step: all output tokens and text so far
+    DELTA = 1           # every step: only the tokens and text new since the last output
+    FINAL_ONLY = 2      # one output, when the request finishes (`LLM.generate`)
 
 
 @dataclasses.dataclass
@@ -21,6 +30,7 @@ class SamplingParams:
     # before the match unless include_stop_str_in_output
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # of `LLMEngine.step`
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -40,6 +50,8 @@ class SamplingParams:
             value = getattr(self, name)
             _require(value is None or _is_int(value), name, value, "an integer or None")
         _require(self.n >= 1, "n", self.n, ">= 1")
+        _require(isinstance(self.output_kind, RequestOutputKind), "output_kind",
+                 self.output_kind, "a RequestOutputKind")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                  "non-empty strings")
         _require(self.temperature >= 0, "temperature", self.temperature, ">= 0")
