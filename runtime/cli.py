@@ -328,7 +328,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     check_output_path(args.json, "--json")
     from rung.runtime.verify import run_verify
 
-    return run_verify(args, build_llm)
+    spec = _speculative_config(args)
+    return run_verify(args, build_llm, spec["num_speculative_tokens"] if spec else 0)
 
 
 # --- bench -----------------------------------------------------------------------------------

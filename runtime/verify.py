@@ -27,6 +27,7 @@ MODES = ["full_and_piecewise", "piecewise", "full", "full_decode_only"]
 MARKS = {"pass": "✓", "fail": "✗", "none": "·", "n/a": " "}
 
 Steps = list[list[tuple[str, dict]]]   # per step: (request id, prompt) to add before it
+_MAX_RAMP_PROMPT = 10                   # ramp prompts hold 2..10 tokens
 
 
 @dataclasses.dataclass
@@ -56,8 +57,19 @@ def ramp(max_num_reqs: int) -> Steps:
     num_reqs 1..max runs once in a mixed batch and once in a uniform one."""
     prompt = lambda i: {"prompt_token_ids": [3 + (7 * i + j) % 500  # noqa: E731
                                              for j in range(2 + (5 * i) % 9)]}
+    # NOTE: 2 + (5 * i) % 9 <= _MAX_RAMP_PROMPT
     return [arrivals for i in range(max_num_reqs)
             for arrivals in ([(f"verify-{i}", prompt(i))], [])]
+
+
+def ramp_max_model_len(max_num_reqs: int, num_spec_tokens: int, block_size: int) -> int:
+    """Positions the ramp's longest request can reach: its prompt, (1 + k) tokens per step
+    (every draft accepted) and one more verify step of room, in whole KV blocks.
+
+    NOTE: under FULL graphs attention is shaped by max_model_len, so the model's default
+    (e.g. 2048) would make every replay attend over thousands of unused positions."""
+    num_tokens = _MAX_RAMP_PROMPT + (2 * max_num_reqs + 1) * (1 + num_spec_tokens)
+    return -(-num_tokens // block_size) * block_size
 
 
 def drive(engine: Any, steps: Steps, trace: Trace | None = None) -> Trace:
@@ -250,14 +262,18 @@ def matrix(report: ModeReport, mode: str) -> str:
     return "\n".join(rows)
 
 
-def run_verify(args: argparse.Namespace, build_llm: Callable) -> int:
-    """One eager engine and one graph engine per configured mode; print the matrices."""
+def run_verify(args: argparse.Namespace, build_llm: Callable,
+               num_spec_tokens: int = 0) -> int:
+    """One eager engine and one graph engine per configured mode; print the matrices.
+    ``num_spec_tokens``: the k the engine flags ask for (sizes the ramp's max_model_len)."""
     from tqdm import tqdm
 
     start = time.perf_counter()
     if args.dtype == "auto":
         args.dtype = "float32"             # the 1e-5 tolerance is an fp32 one
     args.debug_padding = True              # poisoned pads: a read of padding shows up
+    if args.max_model_len is None:         # what the ramp reaches, not the model's maximum
+        args.max_model_len = _ramp_model_len(args, num_spec_tokens)
     modes = MODES if args.mode == "all" else [args.mode or MODES[0]]
     eager = build_llm(_with(args, enforce_eager=True, mode=None)).engine
     want = drive(eager, ramp(eager.config.max_num_seqs))     # every mode is held to it
@@ -280,16 +296,27 @@ def run_verify(args: argparse.Namespace, build_llm: Callable) -> int:
     spec = f", speculative k={eager.config.num_spec_tokens}" if eager.config.speculative else ""
     verdict = (f"FAIL: {len(failed)} of {checked} cells differ from eager" if failed else
                f"PASS: all {checked} cells match eager")
-    print(f"{verdict}; {unreplayed} never replayed (model {args.model}{spec}, modes "
-          f"{', '.join(modes)}, {seconds:.1f} s)")
+    print(f"{verdict}; {unreplayed} never replayed (model {args.model}{spec}, "
+          f"max_model_len {eager.max_model_len}, modes {', '.join(modes)}, {seconds:.1f} s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "verdict": "fail" if failed else "pass",
-                       "num_spec_tokens": eager.config.num_spec_tokens, "seconds": seconds,
+                       "num_spec_tokens": eager.config.num_spec_tokens,
+                       "max_model_len": eager.max_model_len, "seconds": seconds,
                        "modes": [{"mode": r.config_mode, "sizes": r.sizes,
                                   "cells": [dataclasses.asdict(c) for c in r.cells]}
                                  for r in reports]}, f, indent=2)
     return 1 if failed else 0
+
+
+def _ramp_model_len(args: argparse.Namespace, num_spec_tokens: int) -> int | None:
+    """The ramp's max_model_len for the CLI's engine flags (None: the model's own maximum
+    is shorter anyway)."""
+    from rung.models.loader import peek_model
+
+    need = ramp_max_model_len(args.max_num_seqs, num_spec_tokens, args.block_size)
+    model_max = int(peek_model(args.model)[0].get("max_position_embeddings", 2048))
+    return need if need < model_max else None
 
 
 def _print_reports(reports: list[ModeReport]) -> None:

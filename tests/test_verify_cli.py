@@ -40,3 +40,27 @@ def test_verify_exits_1_on_a_mismatch(monkeypatch, capsys):
 def test_verify_refuses_eager(capsys):
     assert main([*ARGS, "--enforce-eager"]) == 2
     assert "drop --enforce-eager" in capsys.readouterr().err
+
+
+def test_verify_runs_at_the_ramps_max_model_len(capsys):
+    # tiny-llama allows 2048 positions; the ramp of 2 requests needs 10 + 5 = 15
+    assert main(["verify", "--model", "tiny-llama", "--max-num-seqs", "2", "--mode", "full"]
+                ) == 0
+    printed = capsys.readouterr().out
+    assert "PASS: all" in printed and "max_model_len 16," in printed
+
+
+def test_ramp_never_runs_a_request_out_of_positions():
+    from rung.runtime import LLM
+    from rung.runtime.verify import drive, ramp, ramp_max_model_len
+
+    num_reqs, k = 3, 2
+    max_model_len = ramp_max_model_len(num_reqs, k, 16)
+    llm = LLM("tiny-llama", enforce_eager=True, max_num_seqs=num_reqs,
+              max_model_len=max_model_len,
+              speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    steps = ramp(num_reqs)
+    trace = drive(llm.engine, steps)
+    prompts = {rid: len(p["prompt_token_ids"]) for arrivals in steps for rid, p in arrivals}
+    longest = max(prompts[rid] + len(ids) for out in trace.tokens for rid, ids in out.items())
+    assert longest + 1 + k <= max_model_len     # room for one more verify step
