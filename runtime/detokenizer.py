@@ -43,7 +43,8 @@ class IncrementalDetokenizer:
         self.finished = False                 # finish() or truncate() ran: text is final
         self._prefix_offset = 0
         self._read_offset = 0
-        self._prefix_text = ""                # decode(output ids [prefix, read))
+        self._prefix_text: str | None = ""    # decode(output ids [prefix, read)), or None
+                                              # until an update needs it
 
     def update(self, num_tokens: int) -> int:
         """Take the output ids up to ``num_tokens``; the number of characters added."""
@@ -51,7 +52,7 @@ class IncrementalDetokenizer:
             return 0
         self.num_tokens = num_tokens
         window = self._window(num_tokens)
-        if window.endswith(REPLACEMENT_CHAR) or len(window) <= len(self._prefix_text):
+        if window.endswith(REPLACEMENT_CHAR) or len(window) <= len(self._prefix()):
             return 0                          # an incomplete character, or nothing new
         return self._emit(window, num_tokens)
 
@@ -93,14 +94,19 @@ class IncrementalDetokenizer:
         start = self._start
         return self._decode(self._token_ids[start + self._prefix_offset:start + num_tokens])
 
+    def _prefix(self) -> str:
+        if self._prefix_text is None:
+            start = self._start
+            self._prefix_text = self._decode(
+                self._token_ids[start + self._prefix_offset:start + self._read_offset])
+        return self._prefix_text
+
     def _emit(self, window: str, num_tokens: int) -> int:
         # NOTE: the window starts with the prefix's text: decoding starts at a boundary
         # where the text so far was whole characters
-        delta = window[len(self._prefix_text):]
-        start = self._start
+        delta = window[len(self._prefix()):]
         self._prefix_offset, self._read_offset = self._read_offset, num_tokens
-        self._prefix_text = self._decode(
-            self._token_ids[start + self._prefix_offset:start + self._read_offset])
+        self._prefix_text = None          # NOTE: a finished output never needs it
         self.text += delta
         return len(delta)
 
