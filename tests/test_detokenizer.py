@@ -206,3 +206,18 @@ def test_outputs_gathered_across_ranks_carry_their_text(llm):
     out = llm.generate("Hi", SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0]
     copy = pickle.loads(pickle.dumps(_with_text(out)))
     assert copy.text == out.text and copy.token_ids == out.token_ids
+
+
+@pytest.mark.slow      # loading the GGUF takes most of it
+def test_smollm2_streams_deltas_that_add_up_to_the_full_decode(smol_tokenizer):
+    llm = LLM("smollm2-135m", dtype="float32", device="cpu", enforce_eager=True,
+              max_model_len=128, max_num_seqs=2)
+    engine, tok = llm.engine, llm.get_tokenizer()
+    prompt = "Translate to Japanese and French: good morning, my friend."
+    engine.add_request("s", prompt, SamplingParams(temperature=0, max_tokens=24,
+                                                   output_kind=RequestOutputKind.DELTA))
+    outs = _step_all(engine)
+    ids = sum((o.outputs[0].token_ids for o in outs), [])
+    deltas = [o.outputs[0].text for o in outs]
+    assert "".join(deltas) == tok.decode(ids) and len(ids) > 4
+    assert all(REPLACEMENT_CHAR not in d for d in deltas[:-1])
