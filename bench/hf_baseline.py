@@ -1,4 +1,5 @@
 """HF transformers `generate` on rung's own weights: the baseline of the latency harness.
+A GGUF model is loaded by HF's own GGUF reader from the same file instead.
 
 Per-token decode latency is read from a logits processor that stamps the clock once per
 generated token: the gap between two stamps is exactly one decode step of `generate`
@@ -10,6 +11,7 @@ and the prefill (time to the first stamp) is kept out of them.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import torch
@@ -46,9 +48,27 @@ def hf_model_from_rung(model: nn.Module, config: dict) -> nn.Module:
     param = next(model.parameters())
     hf = AutoModelForCausalLM.from_config(hf_config, dtype=param.dtype)
     _load_split_weights(hf, model)
+    return _for_benchmark(hf, param.device)
+
+
+def hf_model_from_gguf(path: str, model: nn.Module) -> nn.Module:
+    """HF's own GGUF loader (``gguf_file=``) on the file rung loaded, in rung's dtype and
+    device: the same dequantized weights, read by independent code."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise ValueError("--baseline hf needs transformers: pip install 'rung[test]'") from None
+    param = next(model.parameters())
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path) or ".",
+                                              gguf_file=os.path.basename(path),
+                                              dtype=param.dtype)
+    return _for_benchmark(hf, param.device)
+
+
+def _for_benchmark(hf: nn.Module, device: torch.device) -> nn.Module:
     hf.generation_config.eos_token_id = None     # never stop early: exactly output_len tokens
     hf.generation_config.pad_token_id = 0
-    return hf.to(param.device).eval()
+    return hf.to(device).eval()
 
 
 def _split_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -27,6 +27,8 @@ from rung.bench.report import environment, format_table, loadavg, plot_latency
 from rung.bench.stats import percentiles_ms
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.graph_mode import CUDAGraphMode
+from rung.models.gguf import is_gguf
+from rung.models.loader import resolve_model_path
 from rung.runtime.engine import LLMEngine
 from rung.runtime.llm import LLM
 from rung.runtime.sampling_params import SamplingParams
@@ -327,11 +329,16 @@ class _Run:
             self.engines[label] = self.build_llm(ns, capture_progress=progress).engine
             self.modes.append(mode_summary(self.engines[label], label, self.plan.max_num_reqs))
         if self.plan.baseline == "hf":
-            from rung.bench.hf_baseline import hf_model_from_rung
+            from rung.bench.hf_baseline import hf_model_from_gguf, hf_model_from_rung
 
-            self.bar.set_postfix_str("hf: converting weights")
             loaded = next(iter(self.engines.values())).loaded
-            self.hf = hf_model_from_rung(loaded.model, loaded.config)
+            path = resolve_model_path(self.args.model)
+            if is_gguf(path) and self.args.load_format != "dummy":
+                self.bar.set_postfix_str("hf: loading the GGUF file")
+                self.hf = hf_model_from_gguf(path, loaded.model)
+            else:
+                self.bar.set_postfix_str("hf: converting weights")
+                self.hf = hf_model_from_rung(loaded.model, loaded.config)
 
     def run_cell(self, num_reqs: int) -> None:
         from rung.bench.hf_baseline import hf_generate_round

@@ -107,13 +107,37 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: CommonAtt
     """
     if layer.logit_softcap:
         return paged_attention_ref(query, kv_cache, meta, layer)
-    num_tokens_padded, num_heads, head_dim = query.shape
-    _, num_cache_blocks, block_size, num_kv_heads, _ = kv_cache.shape
-    req, pos, kv_len = token_positions(meta, num_tokens_padded)
+    num_tokens_padded = query.shape[0]
+    num_rows = meta.block_table.shape[0]
+    # NOTE: per token, a prefill of T tokens would gather T copies of its K/V (O(T^2)
+    # memory); per request, a batch pads every query to max_query_len. Decode (one token
+    # per row) is the same either way; per request wins while the grid stays small.
+    if meta.max_query_len > 1 and num_rows * meta.max_query_len <= 2 * num_tokens_padded:
+        return _paged_attention_per_request(query, kv_cache, meta, layer)
+    return _paged_attention_per_token(query, kv_cache, meta, layer)
+
+
+def _gather_kv(kv_cache: torch.Tensor, meta: CommonAttentionMetadata,
+               rows: torch.Tensor | None) -> torch.Tensor:
+    """K/V of the blocks ``meta.max_seq_len`` covers, for every block-table row (``rows``
+    None) or for each entry of ``rows`` [N] -> [2, N, L, kvh, hd] fp32, one index_select."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_blocks_read = _num_blocks_read(meta, block_size)
-    blocks = meta.block_table[:, :num_blocks_read].long()[req]          # [T, nb]
-    kv = kv_cache.index_select(1, blocks.flatten()).float()             # [2, T*nb, bs, kvh, hd]
-    kv = kv.view(2, num_tokens_padded, num_blocks_read * block_size, num_kv_heads, head_dim)
+    blocks = meta.block_table[:, :num_blocks_read].long()               # [R, nb]
+    if rows is not None:
+        blocks = blocks[rows]                                            # [N, nb]
+    kv = kv_cache.index_select(1, blocks.flatten()).float()             # [2, N*nb, bs, kvh, hd]
+    return kv.view(2, blocks.shape[0], num_blocks_read * block_size, num_kv_heads, head_dim)
+
+
+def _paged_attention_per_token(query: torch.Tensor, kv_cache: torch.Tensor,
+                               meta: CommonAttentionMetadata,
+                               layer: AttentionLayerSpec) -> torch.Tensor:
+    """Every token is one SDPA batch entry over its own copy of its request's K/V."""
+    num_tokens_padded, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    req, pos, kv_len = token_positions(meta, num_tokens_padded)
+    kv = _gather_kv(kv_cache, meta, req)                                 # [2, T, L, kvh, hd]
     visible = _visible_keys(kv_len, pos, kv.shape[2], layer)            # [T, L]
     q = query.float().view(num_tokens_padded, num_kv_heads, -1, head_dim)  # [T, kvh, g, hd]
     # NOTE: the g query heads of one KV head are SDPA's query positions, so K/V are read
@@ -122,6 +146,53 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: CommonAtt
                                          attn_mask=visible[:, None, None, :],
                                          scale=layer.scale)              # [T, kvh, g, hd]
     return out.reshape(num_tokens_padded, num_heads, head_dim)
+
+
+def _paged_attention_per_request(query: torch.Tensor, kv_cache: torch.Tensor,
+                                 meta: CommonAttentionMetadata,
+                                 layer: AttentionLayerSpec) -> torch.Tensor:
+    """Every request is one SDPA batch entry: K/V gathered once per request, its queries
+    laid out on a [R, max_query_len] grid (grid cell (r, i) = query i of request r).
+
+    E.g. query_start_loc [0, 3, 4], max_query_len 3, 5 padded tokens: tokens 0..3 go to
+    cells 0, 1, 2, 3 of the flat grid, pad token 4 to the spare cell 6 past the grid.
+    """
+    num_tokens_padded, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    num_rows, max_query_len = meta.block_table.shape[0], meta.max_query_len
+    grid = num_rows * max_query_len
+    qsl = meta.query_start_loc.long()
+    req, _, kv_len = token_positions(meta, num_tokens_padded)
+    tok = torch.arange(num_tokens_padded, device=qsl.device)
+    real = kv_len > 0                                                    # [T]; pads see 0 keys
+    cell = torch.where(real, req * max_query_len + tok - qsl[req], grid)  # [T]
+    q = query.new_zeros((grid + 1, num_heads, head_dim), dtype=torch.float32)
+    q.index_copy_(0, cell, query.float())
+    group = num_heads // num_kv_heads
+    q = (q[:grid].view(num_rows, max_query_len, num_kv_heads, group, head_dim)
+         .transpose(1, 2).reshape(num_rows, num_kv_heads, max_query_len * group, head_dim))
+    kv = _gather_kv(kv_cache, meta, None)                                # [2, R, L, kvh, hd]
+    visible = _grid_visible_keys(meta, qsl, kv.shape[2], layer)         # [R, Q, L]
+    mask = visible[:, None, :, None, :].expand(-1, -1, -1, group, -1)   # [R, 1, Q, g, L]
+    out = F.scaled_dot_product_attention(q, kv[0].transpose(1, 2), kv[1].transpose(1, 2),
+                                         attn_mask=mask.flatten(2, 3),
+                                         scale=layer.scale)              # [R, kvh, Q*g, hd]
+    out = (out.view(num_rows, num_kv_heads, max_query_len, group, head_dim)
+           .transpose(1, 2).reshape(grid, num_heads, head_dim))
+    out = out[cell.clamp(max=max(grid - 1, 0))]                          # [T, heads, hd]
+    return torch.where(real[:, None, None], out, 0.0)
+
+
+def _grid_visible_keys(meta: CommonAttentionMetadata, qsl: torch.Tensor, num_keys: int,
+                       layer: AttentionLayerSpec) -> torch.Tensor:
+    """[R, max_query_len, num_keys] bool: what query i of each request sees (the last
+    query_len of its seq_len tokens); cells past a request's query_len see nothing."""
+    query_lens = (qsl[1:] - qsl[:-1])[:, None]                          # [R, 1]
+    i = torch.arange(meta.max_query_len, device=qsl.device)[None, :]    # [1, Q]
+    pos = meta.seq_lens.long()[:, None] - query_lens + i                # [R, Q]
+    kv_len = torch.where(i < query_lens, pos + 1, 0)
+    visible = _visible_keys(kv_len.flatten(), pos.flatten(), num_keys, layer)
+    return visible.view(*pos.shape, num_keys)
 
 
 def paged_attention_fusable(query: torch.Tensor, kv_cache: torch.Tensor,

@@ -14,6 +14,7 @@ from rung.models.layers import (
     Rope,
     RotaryEmbedding,
     decoder_layers,
+    lm_head_logits,
     rope_inv_freq,
 )
 from rung.models.weights import WeightStream, check_all_loaded, load_named_weights
@@ -88,6 +89,9 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     qk_norm = False
+    # NOTE: a small tied head (SmolLM2: 49152 x 576) is worth a W^T copy on CPU; see
+    # lm_head_logits
+    transposed_tied_head = True
 
     def __init__(self, cfg: dict) -> None:
         super().__init__()
@@ -106,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_reqs, hidden] -> logits [num_reqs, vocab] fp32."""
-        return self.lm_head(hidden).float()
+        return lm_head_logits(self.lm_head, hidden)
 
     def load_weights(self, weights: WeightStream) -> None:
         loaded = load_named_weights(self, weights, STACKED_PARAMS)
