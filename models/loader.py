@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.metadata
 import json
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -77,12 +78,34 @@ def resolve_config(model: str) -> tuple[dict, str | None]:
     return cfg, model
 
 
-def _build(cls: type[nn.Module], cfg: dict, model: str, folder: str | None) -> nn.Module:
+@contextlib.contextmanager
+def _skip_random_init(skip: bool) -> Iterator[None]:
+    """Modules built inside skip torch's random initial values (``nn.Linear`` and
+    ``nn.Embedding`` draw them: 2 s of SmolLM2's start) when every weight is loaded next.
+    NOTE: only for real loads; ``check_all_loaded`` proves no parameter kept its garbage."""
+    if not skip:
+        yield
+        return
+    saved = {name: getattr(nn.init, name) for name in _RANDOM_INITS}
+    for name in _RANDOM_INITS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, init in saved.items():
+            setattr(nn.init, name, init)
+
+
+_RANDOM_INITS = ("kaiming_uniform_", "uniform_", "normal_")
+
+
+def _build(cls: type[nn.Module], cfg: dict, model: str, folder: str | None,
+           loads_weights: bool) -> nn.Module:
     """``cls(cfg)``; a config that lacks a field or holds the wrong kind of value is a
     ValueError naming the file."""
     where = os.path.join(folder, "config.json") if folder else f"preset {model!r}"
     try:
-        with torch.device("cpu"):
+        with torch.device("cpu"), _skip_random_init(loads_weights):
             return cls(cfg)
     except KeyError as e:
         raise ValueError(f"{where} lacks the field {e.args[0]!r} that "
@@ -113,9 +136,9 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cp
     cfg, folder = resolve_config(path)
     cls = model_class(cfg)
     cfg = getattr(cls, "text_config", lambda c: c)(cfg)
-    net = _build(cls, cfg, model, folder)
     weights = folder if folder is not None else _trained_preset(model)
     random_weights = weights is None or load_format == "dummy"
+    net = _build(cls, cfg, model, folder, loads_weights=not random_weights)
     if random_weights:
         init_random_weights(net, seed)
     else:
@@ -172,7 +195,7 @@ def _load_gguf(path: str, name: str, dtype: torch.dtype, device: str, load_forma
                seed: int) -> LoadedModel:
     gguf_model = _open_gguf(path)
     cfg = gguf_model.config
-    with torch.device("cpu"):
+    with torch.device("cpu"), _skip_random_init(load_format != "dummy"):
         net = model_class(cfg)(cfg)
     if load_format == "dummy":
         init_random_weights(net, seed)
