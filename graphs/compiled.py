@@ -75,16 +75,32 @@ MIN_KV_BLOCKS = 2
 
 def _kv_width_inputs(graph_inputs: list[torch.Tensor]
                      ) -> tuple[int | None, list[tuple[int, int]]]:
-    """(index of seq_lens, [(index of a block table, its block size)]) among the graph's
-    inputs, matched by identity with the current forward context's metadata."""
-    index_of = {id(t): i for i, t in enumerate(graph_inputs) if isinstance(t, torch.Tensor)}
-    seq_lens_index, tables = None, {}
+    """(index of a seq_lens, [(index of a block table, its block size)]) among the graph's
+    inputs, matched with the current forward context's metadata by memory, not by object.
+
+    NOTE: each KV cache group's metadata holds its own view of the shared seq_lens, and a
+    graph loaded from disk gets one tensor per name: matching by ``id`` would miss the
+    other groups' tables, which then stay uncut while the width says otherwise.
+    """
+    seq_lens, tables = set(), {}
     for meta in get_forward_context().attn_metadata.values():
         common = getattr(meta, "common", meta)
-        if id(common.block_table) in index_of and id(common.seq_lens) in index_of:
-            seq_lens_index = index_of[id(common.seq_lens)]
-            tables[index_of[id(common.block_table)]] = common.block_size
-    return seq_lens_index, sorted(tables.items())
+        seq_lens.add(_memory(common.seq_lens))
+        tables[_memory(common.block_table)] = common.block_size
+    seq_lens_index, found = None, []
+    for i, t in enumerate(graph_inputs):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if seq_lens_index is None and _memory(t) in seq_lens:
+            seq_lens_index = i
+        if _memory(t) in tables:
+            found.append((i, tables[_memory(t)]))
+    return seq_lens_index, found
+
+
+def _memory(t: torch.Tensor) -> tuple:
+    """What a view reads: two view objects of one buffer slice compare equal."""
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 def _mark_kv_width_dynamic() -> None:

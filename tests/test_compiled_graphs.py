@@ -72,3 +72,26 @@ def test_second_start_loads_and_a_corrupt_entry_is_rebuilt(tmp_path):
     [record] = third.engine.runner.graphs.records
     assert record.compile_s > 0 and record.load_s is None     # rebuilt, never used
     assert _tokens(third, 2) == want
+
+
+def test_second_start_with_mtp_loads_the_verify_graph(tmp_path):
+    """Gemma 4 (two KV cache groups) with its MTP drafter: the verify-shaped FULL graph is
+    loaded from the disk cache on the second start and replays eager's tokens. Each group's
+    metadata holds its own view of seq_lens; a loaded graph once cut only the first group's
+    block table and crashed on the size check."""
+    spec = {"method": "mtp", "model": "tiny-gemma4-mtp", "num_speculative_tokens": 3}
+    # NOTE: 4 blocks per request, so a short context cuts the tables below their width
+    engine = dict(speculative_config=spec, max_num_seqs=1, max_model_len=64,
+                  num_gpu_blocks_override=24)
+    compiled = {"cudagraph_mode": "full_decode_only", "cudagraph_capture_sizes": [4],
+                "graph_backend": "compiled", "cache_dir": str(tmp_path)}
+    prompt = [{"prompt_token_ids": [1, 5, 9, 200, 17]}]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = LLM("tiny-gemma4", enforce_eager=True, **engine).generate(prompt, params)
+    for start in ("compiles", "loads"):
+        llm = LLM("tiny-gemma4", compilation_config=compiled, **engine)
+        [record] = llm.engine.runner.graphs.records
+        assert (record.load_s is not None) == (start == "loads"), start
+        got = llm.generate(prompt, params)
+        assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids, start
+        assert llm.engine.stats()["graph_replays"].get("FULL:4", 0) > 0, start
