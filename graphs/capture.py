@@ -248,5 +248,5 @@ def make_capture_backend(name: str, device: torch.device,
     if name == "compiled":
         from rung.graphs.compiled import CompiledGraphBackend
 
-        return CompiledGraphBackend(artifact_cache)
+        return CompiledGraphBackend(artifact_cache, poison_hook)
     raise ValueError(f"graph_backend {name!r} not in ('auto', 'cuda', 'emulated', 'compiled')")

@@ -39,9 +39,10 @@ class CompiledGraph(CapturedGraph):
 
     def __init__(self, artifact: Callable[..., Any], static_inputs: Sequence[torch.Tensor],
                  graph_inputs: list[torch.Tensor], compile_s: float | None,
-                 load_s: float | None) -> None:
+                 load_s: float | None, poison: Callable[[], None] | None = None) -> None:
         super().__init__(static_inputs, None, 0)
         self.artifact = artifact
+        self.poison = poison         # debug mode: garbage into pad rows before each replay
         self.graph_inputs = graph_inputs   # weights, KV caches, input-buffer views: stable
         self.compile_s = compile_s   # seconds to trace + compile; None when loaded
         self.load_s = load_s         # seconds to load from the disk cache; None when compiled
@@ -52,6 +53,11 @@ class CompiledGraph(CapturedGraph):
 
     def replay(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
         self.check_inputs(inputs)
+        if self.poison is not None:
+            self.poison()
+        return self._run()
+
+    def _run(self) -> torch.Tensor:
         args = list(self.graph_inputs)
         if self.block_tables:
             # NOTE: seq_lens lives in host memory on CPU: reading its max costs no sync
@@ -152,14 +158,16 @@ class CompiledGraphBackend(EmulatedGraphBackend):
     """FULL graphs: trace + inductor compile at the capture's static shapes, or a load from
     the on-disk artifact cache when an entry with the same key exists.
 
-    PIECEWISE pieces are captured as the emulated backend captures them (run as
-    ``compilation_config.backend`` compiled them), without poison.
+    PIECEWISE pieces and drafter graphs are captured as the emulated backend captures them
+    (run as ``compilation_config.backend`` compiled them). In debug mode every replay,
+    compiled or not, first poisons the pad rows of its inputs, as emulated replays do.
     """
 
     name = "compiled"
 
-    def __init__(self, cache: ArtifactCache | None = None) -> None:
-        super().__init__(poison_hook=None)
+    def __init__(self, cache: ArtifactCache | None = None,
+                 poison_hook: Callable[[], None] | None = None) -> None:
+        super().__init__(poison_hook)
         self.cache = cache
 
     def capture_model(self, fn: Callable[..., torch.Tensor], inputs: Sequence,
@@ -181,8 +189,8 @@ class CompiledGraphBackend(EmulatedGraphBackend):
         logger.info("compiled a graph of %d inputs in %.1f s", len(traced.inputs), compile_s)
         if key is not None:
             self.cache.save(key, artifact, traced.inputs, named)
-        return self._finish(CompiledGraph(artifact, inputs, traced.inputs, compile_s, None),
-                            inputs)
+        return self._finish(CompiledGraph(artifact, inputs, traced.inputs, compile_s, None,
+                                          self.poison_hook))
 
     def _load(self, key: str, fn: Callable[..., torch.Tensor], inputs: Sequence,
               named: dict[str, torch.Tensor]) -> CompiledGraph | None:
@@ -191,7 +199,8 @@ class CompiledGraphBackend(EmulatedGraphBackend):
         if hit is None:
             return None
         artifact, graph_inputs = hit
-        graph = self._finish(CompiledGraph(artifact, inputs, graph_inputs, None, 0.0), inputs)
+        graph = self._finish(CompiledGraph(artifact, inputs, graph_inputs, None, 0.0,
+                                           self.poison_hook))
         # NOTE: a loaded artifact must reproduce eager on the capture batch before it is
         # used; one that does not (stale or corrupt) is discarded and rebuilt.
         expected = fn(*inputs)
@@ -203,7 +212,7 @@ class CompiledGraphBackend(EmulatedGraphBackend):
         return graph
 
     @staticmethod
-    def _finish(graph: CompiledGraph, inputs: Sequence) -> CompiledGraph:
-        graph.outputs = graph.replay(inputs)     # outputs of a pad-only batch; sizes nbytes
+    def _finish(graph: CompiledGraph) -> CompiledGraph:
+        graph.outputs = graph._run()     # outputs of the pad-only capture batch; sizes nbytes
         graph.nbytes = graph.outputs.numel() * graph.outputs.element_size()
         return graph
