@@ -57,7 +57,8 @@ def tensor_signature(t: torch.Tensor) -> list:
     return [list(t.shape), list(t.stride()), str(t.dtype), str(t.device)]
 
 
-def _identity(t: torch.Tensor) -> tuple:
+def memory_identity(t: torch.Tensor) -> tuple:
+    """What a view reads: two view objects of one buffer slice compare equal."""
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
@@ -97,8 +98,8 @@ class ArtifactCache:
         """Write the entry atomically (a rename), naming each flat input."""
         by_identity: dict[tuple, str] = {}
         for name, t in named.items():
-            by_identity.setdefault(_identity(t), name)
-        names = [by_identity.get(_identity(t)) if isinstance(t, torch.Tensor) else KV_WIDTH
+            by_identity.setdefault(memory_identity(t), name)
+        names = [by_identity.get(memory_identity(t)) if isinstance(t, torch.Tensor) else KV_WIDTH
                  for t in inputs]
         if None in names:
             logger.warning("compiled graph reads a tensor rung cannot name; not cached")

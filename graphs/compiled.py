@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from rung.core.forward_context import get_forward_context
-from rung.graphs.artifact_cache import ArtifactCache
+from rung.graphs.artifact_cache import ArtifactCache, memory_identity
 from rung.graphs.capture import CapturedGraph, EmulatedGraphBackend
 
 logger = logging.getLogger(__name__)
@@ -91,22 +91,18 @@ def _kv_width_inputs(graph_inputs: list[torch.Tensor]
     seq_lens, tables = set(), {}
     for meta in get_forward_context().attn_metadata.values():
         common = getattr(meta, "common", meta)
-        seq_lens.add(_memory(common.seq_lens))
-        tables[_memory(common.block_table)] = common.block_size
+        seq_lens.add(memory_identity(common.seq_lens))
+        tables[memory_identity(common.block_table)] = common.block_size
     seq_lens_index, found = None, []
     for i, t in enumerate(graph_inputs):
         if not isinstance(t, torch.Tensor):
             continue
-        if seq_lens_index is None and _memory(t) in seq_lens:
+        memory = memory_identity(t)
+        if seq_lens_index is None and memory in seq_lens:
             seq_lens_index = i
-        if _memory(t) in tables:
-            found.append((i, tables[_memory(t)]))
+        if memory in tables:
+            found.append((i, tables[memory]))
     return seq_lens_index, found
-
-
-def _memory(t: torch.Tensor) -> tuple:
-    """What a view reads: two view objects of one buffer slice compare equal."""
-    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 def _mark_kv_width_dynamic() -> None:
