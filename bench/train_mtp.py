@@ -28,7 +28,8 @@ from torch import nn
 
 from rung.kernels.attention import Attention
 from rung.kernels.backend import AttentionLayerSpec
-from rung.models.layers import init_random_weights
+from rung.kernels.torch_backend import visible_keys
+from rung.models.layers import STACKED_PARAMS, init_random_weights
 from rung.models.loader import DRAFT_WEIGHT_SEED, WEIGHT_SEED, WEIGHTS_DIR
 from rung.models.presets import PRESETS
 from rung.models.registry import model_class
@@ -48,7 +49,7 @@ class SequenceBatch:
 
 
 class DenseAttention(nn.Module):
-    """Attention over whole sequences with rung's masking rule, differentiable.
+    """Attention over whole sequences with the reference backend's mask, differentiable.
 
     A query whose last visible key is at index ``last`` sees keys ``last - window < j <= last``
     (no window: all ``j <= last``). Target layers: ``last = p`` over their own K/V, which they
@@ -73,7 +74,8 @@ class DenseAttention(nn.Module):
         else:
             k, v = b.kv[self.source]
             shift = 1
-        mask = _visible(b.seq_len, shift, s.sliding_window, query.device)     # [T, T]
+        last = torch.arange(b.seq_len, device=query.device) - shift          # [T]
+        mask = visible_keys(last + 1, last, b.seq_len, s)                       # [T, T]
         group = s.num_heads // s.num_kv_heads
         k, v = (t.repeat_interleave(group, dim=2).transpose(1, 2) for t in (k, v))  # [B,H,T,hd]
         scores = q.transpose(1, 2) @ k.transpose(-1, -2) * s.scale                  # [B,H,T,T]
@@ -83,17 +85,6 @@ class DenseAttention(nn.Module):
         probs = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
         out = (probs @ v).transpose(1, 2)                                           # [B,T,H,hd]
         return out.reshape(b.num_seqs * b.seq_len, s.num_heads * s.head_dim)
-
-
-def _visible(seq_len: int, shift: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """[T, T] bool: query i sees key j (last visible key i - shift)."""
-    i = torch.arange(seq_len, device=device)[:, None]
-    j = torch.arange(seq_len, device=device)[None, :]
-    last = i - shift
-    mask = j <= last
-    if window is not None:
-        mask &= j > last - window
-    return mask
 
 
 def use_dense_attention(model: nn.Module, batch: SequenceBatch) -> None:
@@ -235,14 +226,10 @@ def hf_state_dict(drafter: nn.Module) -> dict[str, torch.Tensor]:
             out[name] = param.detach().clone().contiguous()
             continue
         parent, _, fused = module_name.rpartition(".")
-        names = [hf for fused_name, hf, _ in _STACKED if fused_name == fused][:len(shards)]
+        names = [hf for fused_name, hf, _ in STACKED_PARAMS if fused_name == fused][:len(shards)]
         for hf_name, part in zip(names, param.split(shards, dim=0)):
             out[f"{parent}.{hf_name}.{leaf}"] = part.detach().clone().contiguous()
     return out
-
-
-_STACKED = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
-            ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
 
 
 def save(drafter: nn.Module, folder: str) -> str:

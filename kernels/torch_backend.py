@@ -58,8 +58,8 @@ def token_positions(meta: CommonAttentionMetadata,
     return req, pos, kv_len
 
 
-def _visible_keys(kv_len: torch.Tensor, pos: torch.Tensor, num_keys: int,
-                  layer: AttentionLayerSpec) -> torch.Tensor:
+def visible_keys(kv_len: torch.Tensor, pos: torch.Tensor, num_keys: int,
+                 layer: AttentionLayerSpec) -> torch.Tensor:
     """[T, num_keys] bool: key j is visible to a token at ``pos`` with ``kv_len`` keys."""
     key_pos = torch.arange(num_keys, device=kv_len.device)
     visible = key_pos[None, :] < kv_len[:, None]                         # [T, L]
@@ -91,7 +91,7 @@ def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor,
     scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * layer.scale      # [T, kvh, g, L]
     if layer.logit_softcap:
         scores = layer.logit_softcap * torch.tanh(scores / layer.logit_softcap)
-    visible = _visible_keys(kv_len, pos, k.shape[1], layer)              # [T, L]
+    visible = visible_keys(kv_len, pos, k.shape[1], layer)              # [T, L]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)               # all-masked pads -> 0
     out = torch.matmul(probs, v.permute(0, 2, 1, 3))                     # [T, kvh, g, hd]
@@ -138,7 +138,7 @@ def _paged_attention_per_token(query: torch.Tensor, kv_cache: torch.Tensor,
     num_kv_heads = kv_cache.shape[3]
     req, pos, kv_len = token_positions(meta, num_tokens_padded)
     kv = _gather_kv(kv_cache, meta, req)                                 # [2, T, L, kvh, hd]
-    visible = _visible_keys(kv_len, pos, kv.shape[2], layer)            # [T, L]
+    visible = visible_keys(kv_len, pos, kv.shape[2], layer)            # [T, L]
     q = query.float().view(num_tokens_padded, num_kv_heads, -1, head_dim)  # [T, kvh, g, hd]
     # NOTE: the g query heads of one KV head are SDPA's query positions, so K/V are read
     # once per KV head; SDPA gives all-masked rows (pads) 0.
@@ -191,7 +191,7 @@ def _grid_visible_keys(meta: CommonAttentionMetadata, qsl: torch.Tensor, num_key
     i = torch.arange(meta.max_query_len, device=qsl.device)[None, :]    # [1, Q]
     pos = meta.seq_lens.long()[:, None] - query_lens + i                # [R, Q]
     kv_len = torch.where(i < query_lens, pos + 1, 0)
-    visible = _visible_keys(kv_len.flatten(), pos.flatten(), num_keys, layer)
+    visible = visible_keys(kv_len.flatten(), pos.flatten(), num_keys, layer)
     return visible.view(*pos.shape, num_keys)
 
 
@@ -217,7 +217,7 @@ def paged_attention_fusable(query: torch.Tensor, kv_cache: torch.Tensor,
     scores = (q * k.float()).sum(-1) * layer.scale                       # [T, L, kvh, g]
     if layer.logit_softcap:
         scores = layer.logit_softcap * torch.tanh(scores / layer.logit_softcap)
-    visible = _visible_keys(kv_len, pos, num_keys, layer)                # [T, L]
+    visible = visible_keys(kv_len, pos, num_keys, layer)                # [T, L]
     scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=1).nan_to_num(0.0)                # all-masked pads -> 0
     out = (probs[..., None] * v.float()).sum(1)                         # [T, kvh, g, hd]
