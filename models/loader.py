@@ -68,11 +68,7 @@ def resolve_config(model: str) -> tuple[dict, str | None]:
     path = os.path.join(model, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"model folder {model!r} has no config.json")
-    with open(path) as f:
-        try:
-            cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
+    cfg = _read_json(path)
     if not isinstance(cfg, dict):
         raise ValueError(f"{path} must hold a JSON object, got a {type(cfg).__name__}")
     return cfg, model
@@ -156,13 +152,18 @@ def _generation_stop_ids(folder: str, cfg: dict) -> tuple[int, ...]:
     ids = _id_list(cfg.get("eos_token_id"))
     path = os.path.join(folder, "generation_config.json")
     if os.path.exists(path):
-        with open(path) as f:
-            try:
-                generation = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} is not valid JSON: {e}") from None
+        generation = _read_json(path)
         ids += _id_list(generation.get("eos_token_id") if isinstance(generation, dict) else None)
     return tuple(dict.fromkeys(ids))
+
+
+def _read_json(path: str) -> Any:
+    """The JSON in ``path``; a ValueError naming the file when it is not valid JSON."""
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
 def _id_list(value: Any) -> list[int]:
