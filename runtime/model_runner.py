@@ -19,11 +19,11 @@ from rung.kernels.selector import select_backend
 from rung.models.loader import LoadedModel
 from rung.runtime.attention_groups import build_attention_groups, build_layer_metadata
 from rung.runtime.config import EngineConfig
-from rung.runtime.input_batch import BatchLayout, InputBatch
+from rung.runtime.input_batch import BatchLayout, HostCopyFence, InputBatch
 from rung.runtime.outputs import Logprob
-from rung.runtime.rejection_sampler import rejection_sample
+from rung.runtime.rejection_sampler import num_accepted
 from rung.runtime.request import Request
-from rung.runtime.sampler import Sampler, token_logprobs
+from rung.runtime.sampler import Sampler, SamplingBatch, token_logprobs
 from rung.runtime.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -71,7 +71,8 @@ class ModelRunner:
                                       math.ceil(max_model_len / config.block_size),
                                       len(self.kv_groups), config.block_size, config.device,
                                       decode_query_len=1 + config.num_spec_tokens)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler()
+        self.host_output = HostOutput(config.device)
         self.graphs: GraphManager | None = None      # see use_graphs; None runs eagerly
         self._poison_rng = np.random.default_rng(config.seed)
 
@@ -202,36 +203,76 @@ class ModelRunner:
 
     def _sample(self, sched: SchedulerOutput, layout: BatchLayout, logits: torch.Tensor,
                 out: ModelRunnerOutput) -> None:
-        """Sampled tokens (and logprobs) of every request into ``out``."""
-        plain: list[tuple[Request, int]] = []                     # (request, logits row)
-        offset = 0
+        """Sampled tokens (and logprobs) of every request into ``out``: one batched pass on
+        the device (sampler, then verification), then ONE device-to-host copy."""
+        reqs, drafts = [], []
         for s, n in zip(sched.scheduled, layout.num_logits_per_req):
-            if n == 1:
-                plain.append((s.request, offset))
-            elif n > 1:
-                self._verify(s.request, logits[offset:offset + n], offset, layout, out)
-            offset += n
-        if plain:
-            self._sample_plain(plain, logits, layout, out)
+            if n:                    # NOTE: request order = logits row order, 1 + k rows each
+                reqs.append(s.request)
+                drafts.append(s.request.spec_token_ids[:n - 1])
+        if not reqs:
+            return
+        batch = SamplingBatch.build(reqs, drafts, self.config.seed, self.vocab_size,
+                                    self.device)
+        tokens = self.sampler(logits, batch)                       # [num_logits] int64
+        accepted = num_accepted(tokens, batch)                     # [num_reqs] int64
+        num_top = max((n for n in batch.num_logprobs if n is not None), default=None)
+        parts = [tokens.double(), accepted.double()]
+        if num_top is not None:
+            parts.append(token_logprobs(logits, tokens, num_top).double().flatten())
+        host = self.host_output.fetch(torch.cat(parts))           # the step's one copy
+        self._unpack(host, reqs, batch, num_top, layout, out)
 
-    def _sample_plain(self, plain: list[tuple[Request, int]], logits: torch.Tensor,
-                      layout: BatchLayout, out: ModelRunnerOutput) -> None:
-        reqs = [r for r, _ in plain]
-        sub = logits[[row for _, row in plain]]                   # [num_plain, vocab]
-        tokens = self.sampler(sub, reqs)
-        lps = token_logprobs(sub, tokens, [r.params.logprobs for r in reqs])
-        for (req, row), token, lp in zip(plain, tokens.tolist(), lps):
-            out.sampled[req.request_id] = [token]
-            out.hidden_rows[req.request_id] = int(layout.logits_indices[row])
-            if lp is not None:
-                out.logprobs[req.request_id] = [lp]
+    def _unpack(self, host: np.ndarray, reqs: list[Request], batch: SamplingBatch,
+                num_top: int | None, layout: BatchLayout, out: ModelRunnerOutput) -> None:
+        """host: [num_rows] tokens, [num_reqs] accepted, then [num_rows, 2 + 2 * num_top]
+        logprobs (`token_logprobs`) when any request asked."""
+        num_rows, num_reqs = batch.num_rows, len(reqs)
+        tokens = host[:num_rows].astype(np.int64)
+        accepted = host[num_rows:num_rows + num_reqs].astype(np.int64).tolist()
+        lps = (host[num_rows + num_reqs:].reshape(num_rows, -1) if num_top is not None
+               else None)
+        for req, start, n_acc in zip(reqs, batch.starts.tolist(), accepted):
+            rows = range(start, start + n_acc + 1)
+            out.sampled[req.request_id] = tokens[start:start + n_acc + 1].tolist()
+            out.hidden_rows[req.request_id] = int(layout.logits_indices[rows[-1]])
+            if req.params.logprobs is not None:
+                out.logprobs[req.request_id] = [
+                    _logprob_dict(int(tokens[r]), lps[r], req.params.logprobs) for r in rows]
 
-    def _verify(self, req: Request, logits: torch.Tensor, offset: int, layout: BatchLayout,
-                out: ModelRunnerOutput) -> None:
-        """logits [1 + k, vocab] at the verified positions of one request."""
-        new = rejection_sample(logits, req.spec_token_ids, req, self.sampler.generator)
-        out.sampled[req.request_id] = new
-        out.hidden_rows[req.request_id] = int(layout.logits_indices[offset + len(new) - 1])
-        if req.params.logprobs is not None:
-            out.logprobs[req.request_id] = token_logprobs(
-                logits[:len(new)], torch.tensor(new), [req.params.logprobs] * len(new))
+
+class HostOutput:
+    """Pinned staging of the step's one device-to-host copy, behind a HostCopyFence.
+
+    NOTE: the copy is non_blocking into pinned memory, then the fence waits on its event:
+    the one host sync of a step on CUDA. On CPU the device tensor is host memory, read in
+    place. The returned array is valid until the next fetch.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.fence = HostCopyFence(device)
+        self._pinned: torch.Tensor | None = None        # [capacity] float64, grown on demand
+
+    def fetch(self, packed: torch.Tensor) -> np.ndarray:
+        """packed [n] float64 on the device -> its values on the host."""
+        if self.device.type == "cpu":
+            return packed.numpy()
+        n = packed.numel()
+        if self._pinned is None or self._pinned.numel() < n:
+            self._pinned = torch.empty(max(n, 4096), dtype=torch.float64, pin_memory=True)
+        host = self._pinned[:n]
+        host.copy_(packed, non_blocking=True)
+        self.fence.record()
+        self.fence.wait()
+        return host.numpy()
+
+
+def _logprob_dict(token: int, row: np.ndarray, num_top: int) -> dict[int, Logprob]:
+    """row: [lp, rank, top lps..., top ids...] (`token_logprobs`) -> vLLM's dict: the
+    sampled token first, then the top ``num_top`` (the sampled one may be among them)."""
+    width = (len(row) - 2) // 2
+    entry = {token: Logprob(float(row[0]), int(row[1]))}
+    for i in range(num_top):
+        entry.setdefault(int(row[2 + width + i]), Logprob(float(row[2 + i]), i + 1))
+    return entry

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import enum
 
-import torch
-
 from rung.runtime.detokenizer import IncrementalDetokenizer
 from rung.runtime.sampling_params import SamplingParams
 
@@ -45,8 +43,6 @@ class Request:
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.num_preemptions = 0
-        self.generator = (torch.Generator().manual_seed(params.seed)
-                          if params.seed is not None else None)
 
     @property
     def num_prompt_tokens(self) -> int:
