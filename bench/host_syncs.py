@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import importlib
 import os
 from collections.abc import Iterator
 
@@ -22,13 +23,18 @@ import torch
 
 # NOTE: int()/float()/bool() reach a tensor through these dunders
 CONVERSIONS = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__")
+# debug_padding's value checks read device metadata on purpose (debug mode adds checks, and
+# may sync to make them): counted apart, in ``debug_counts``
+DEBUG_CHECKS = (("rung.core.attention_metadata", "_validate_values"),)
 
 
 class ConversionCounter:
-    """Counts tensor-to-host conversions while ``counting()`` is active (by method name)."""
+    """Counts tensor-to-host conversions while ``counting()`` is active (by method name);
+    those made inside a debug-mode check (DEBUG_CHECKS) go to ``debug_counts``."""
 
     def __init__(self) -> None:
         self.counts: collections.Counter = collections.Counter()
+        self.debug_counts: collections.Counter = collections.Counter()
 
     @property
     def total(self) -> int:
@@ -38,11 +44,12 @@ class ConversionCounter:
     def counting(self) -> Iterator[ConversionCounter]:
         originals = {name: getattr(torch.Tensor, name) for name in CONVERSIONS}
         depth = [0]          # a conversion made inside another one is not a second sync
+        in_debug = [0]
 
         def wrap(name: str, fn):
             def counted(*args, **kwargs):
                 if depth[0] == 0:
-                    self.counts[name] += 1
+                    (self.debug_counts if in_debug[0] else self.counts)[name] += 1
                 depth[0] += 1
                 try:
                     return fn(*args, **kwargs)
@@ -50,17 +57,33 @@ class ConversionCounter:
                     depth[0] -= 1
             return counted
 
+        def wrap_check(fn):
+            def checked(*args, **kwargs):
+                in_debug[0] += 1
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    in_debug[0] -= 1
+            return checked
+
+        checks = [(importlib.import_module(m), f) for m, f in DEBUG_CHECKS]
+        check_fns = [getattr(module, f) for module, f in checks]
         for name, fn in originals.items():
             setattr(torch.Tensor, name, wrap(name, fn))
+        for (module, f), fn in zip(checks, check_fns):
+            setattr(module, f, wrap_check(fn))
         try:
             yield self
         finally:
             for name, fn in originals.items():
                 setattr(torch.Tensor, name, fn)
+            for (module, f), fn in zip(checks, check_fns):
+                setattr(module, f, fn)
 
 
 def conversions_per_step(engine, add_requests) -> list[collections.Counter]:
-    """Run ``engine`` to completion after ``add_requests(engine)``; one Counter per step."""
+    """Run ``engine`` to completion after ``add_requests(engine)``; one Counter per step
+    (debug-mode checks left out)."""
     add_requests(engine)
     steps = []
     while engine.has_unfinished_requests():

@@ -63,11 +63,12 @@ def rejection_sample_with_probs(probs: torch.Tensor, target: torch.Tensor,
     u_residual = _uniforms(batch, STREAM_RESIDUAL, rows, probs.device)
     resampled = inverse_cdf(residual.flatten(0, 1), u_residual.flatten()).view(num_reqs, k_max)
     tokens = target.clone()
-    rejected = (accepted < batch.drafts.shape[1]) & valid.gather(
-        1, accepted.clamp(max=k_max - 1).unsqueeze(1)).squeeze(1)
-    first_rejected = rows.gather(1, accepted.clamp(max=k_max - 1).unsqueeze(1)).squeeze(1)
-    fix = resampled.gather(1, accepted.clamp(max=k_max - 1).unsqueeze(1)).squeeze(1)
-    fix = torch.where(greedy[:, 0], tokens[first_rejected], fix)
+    kept = torch.arange(k_max, device=probs.device) < accepted.unsqueeze(1)
+    tokens[rows[kept]] = batch.drafts[kept]                        # the kept drafts
+    at = accepted.clamp(max=k_max - 1).unsqueeze(1)               # first rejected draft
+    rejected = (accepted < k_max) & valid.gather(1, at).squeeze(1)
+    first_rejected = rows.gather(1, at).squeeze(1)
+    fix = torch.where(greedy[:, 0], tokens[first_rejected], resampled.gather(1, at).squeeze(1))
     tokens[first_rejected] = torch.where(rejected, fix, tokens[first_rejected])
     return tokens, accepted
 
