@@ -90,6 +90,7 @@ class LLMEngine:
             # NOTE: before capture: capture runs the model's collectives on every rank
             self.dp.check_same_config(self._dp_fingerprint())
             self._shard_experts()
+        self._prompt_logprobs: dict[str, list] = {}    # request id -> prompt_logprobs so far
         self._parents: dict[str, ParentRequest] = {}
         self._child_index: dict[str, tuple[ParentRequest, int]] = {}
         if config.enforce_eager:
@@ -222,6 +223,9 @@ class LLMEngine:
             raise ValueError(f"top_k={params.top_k} exceeds the vocabulary size {vocab}")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds the vocabulary "
+                             f"size {vocab}")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop} need a tokenizer; model "
                              f"{self.config.model!r} has none: use stop_token_ids")
@@ -353,10 +357,20 @@ class LLMEngine:
             self.kv.advance(req)      # hash blocks now full, free blocks out of the window
             if s.num_spec_tokens and new:
                 self.spec_stats.record(s.num_spec_tokens, num_accepted)
+            if req.request_id in result.prompt_logprobs:
+                self._add_prompt_logprobs(req, *result.prompt_logprobs[req.request_id])
             out = self._append(req, new, result.logprobs.get(req.request_id)) if new else None
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _add_prompt_logprobs(self, req: Request, first: int, logprobs: list) -> None:
+        """Entries from prompt position ``first`` on; a recomputed prefix (preemption)
+        adds nothing new."""
+        store = self._prompt_logprobs.setdefault(req.request_id, [None])
+        for position, entry in enumerate(logprobs, start=first):
+            if position == len(store):
+                store.append(self._decoded(entry))
 
     def _propose(self, sched: SchedulerOutput, result: ModelRunnerOutput,
                  dp_step: DPStep | None) -> None:
@@ -470,8 +484,12 @@ class LLMEngine:
         elif detok is not None:
             completion.detokenize = functools.partial(detok.text_at, req.num_output_tokens,
                                                       req.is_finished)
+        prompt_lps = (self._prompt_logprobs.get(req.request_id, [None])
+                      if req.params.prompt_logprobs is not None else None)
+        if req.is_finished:
+            self._prompt_logprobs.pop(req.request_id, None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                             req.is_finished)
+                             req.is_finished, prompt_lps)
 
     def stats(self) -> dict[str, Any]:
         s = {"kv_free_blocks": self.kv.num_free_blocks,

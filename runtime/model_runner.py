@@ -46,6 +46,9 @@ class ModelRunnerOutput:
     hidden_rows: dict[str, int]   # request id -> token row whose logits gave its last token
     hidden: torch.Tensor          # [num_tokens_padded, hidden] the target's last hidden states
     logits: torch.Tensor          # [num_logits, vocab] at layout.logits_indices
+    # request id -> (position of its first entry, one dict per prompt token from there)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = dataclasses.field(
+        default_factory=dict)
 
 
 def find_attention_layers(model: torch.nn.Module) -> dict[str, Attention]:
@@ -203,35 +206,68 @@ class ModelRunner:
 
     def _sample(self, sched: SchedulerOutput, layout: BatchLayout, logits: torch.Tensor,
                 out: ModelRunnerOutput) -> None:
-        """Sampled tokens (and logprobs) of every request into ``out``: one batched pass on
-        the device (sampler, then verification), then ONE device-to-host copy."""
+        """Sampled tokens (and logprobs, prompt logprobs) of every request into ``out``: one
+        batched pass on the device (sampler, then verification), then ONE device-to-host
+        copy."""
         reqs, drafts = [], []
         for s, n in zip(sched.scheduled, layout.num_logits_per_req):
             if n:                    # NOTE: request order = logits row order, 1 + k rows each
                 reqs.append(s.request)
                 drafts.append(s.request.spec_token_ids[:n - 1])
-        if not reqs:
+        prompt = self._prompt_rows(sched)
+        if not reqs and not prompt:
             return
-        batch = SamplingBatch.build(reqs, drafts, self.config.seed, self.vocab_size,
-                                    self.device)
-        tokens = self.sampler(logits, batch)                       # [num_logits] int64
-        accepted = num_accepted(tokens, batch)                     # [num_reqs] int64
-        num_top = max((n for n in batch.num_logprobs if n is not None), default=None)
-        parts = [tokens.double(), accepted.double()]
-        if num_top is not None:
-            parts.append(token_logprobs(logits, tokens, num_top).double().flatten())
+        parts, num_top = [], None
+        if reqs:
+            batch = SamplingBatch.build(reqs, drafts, self.config.seed, self.vocab_size,
+                                        self.device)
+            tokens = self.sampler(logits, batch)                   # [num_logits] int64
+            accepted = num_accepted(tokens, batch)                 # [num_reqs] int64
+            num_top = max((n for n in batch.num_logprobs if n is not None), default=None)
+            parts = [tokens.double(), accepted.double()]
+            if num_top is not None:
+                parts.append(token_logprobs(logits, tokens, num_top).double().flatten())
+        if prompt:
+            parts.append(self._prompt_logprobs(out.hidden, prompt).double().flatten())
         host = self.host_output.fetch(torch.cat(parts))           # the step's one copy
-        self._unpack(host, reqs, batch, num_top, layout, out)
+        if reqs:
+            host = self._unpack(host, reqs, batch, num_top, layout, out)
+        if prompt:
+            _unpack_prompt(host, prompt, out)
+
+    def _prompt_rows(self, sched: SchedulerOutput) -> list[tuple[Request, int, int, int]]:
+        """(request, first token row, first position, count) of the prompt positions whose
+        next prompt token's logprob was asked for (``prompt_logprobs``) in this step."""
+        found, row = [], 0
+        for s in sched.scheduled:
+            req = s.request
+            first = req.num_computed_tokens
+            last = min(first + s.num_new_tokens, req.num_prompt_tokens - 1)
+            if req.params.prompt_logprobs is not None and last > first:
+                found.append((req, row, first, last - first))
+            row += s.num_new_tokens
+        return found
+
+    def _prompt_logprobs(self, hidden: torch.Tensor,
+                         prompt: list[tuple[Request, int, int, int]]) -> torch.Tensor:
+        """Row t: the logprob of prompt token t + 1. -> [num_rows, 2 + 2 * num_top]."""
+        rows = np.concatenate([np.arange(r, r + n) for _, r, _, n in prompt])
+        nexts = np.concatenate([np.asarray(req.prompt_token_ids[p + 1:p + 1 + n])
+                                for req, _, p, n in prompt])
+        num_top = max(req.params.prompt_logprobs for req, *_ in prompt)
+        logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
+        return token_logprobs(logits, torch.from_numpy(nexts).to(self.device), num_top)
 
     def _unpack(self, host: np.ndarray, reqs: list[Request], batch: SamplingBatch,
-                num_top: int | None, layout: BatchLayout, out: ModelRunnerOutput) -> None:
+                num_top: int | None, layout: BatchLayout, out: ModelRunnerOutput
+                ) -> np.ndarray:
         """host: [num_rows] tokens, [num_reqs] accepted, then [num_rows, 2 + 2 * num_top]
-        logprobs (`token_logprobs`) when any request asked."""
+        logprobs (`token_logprobs`) when any request asked. Returns what follows."""
         num_rows, num_reqs = batch.num_rows, len(reqs)
         tokens = host[:num_rows].astype(np.int64)
         accepted = host[num_rows:num_rows + num_reqs].astype(np.int64).tolist()
-        lps = (host[num_rows + num_reqs:].reshape(num_rows, -1) if num_top is not None
-               else None)
+        end = num_rows + num_reqs + (num_rows * (2 + 2 * num_top) if num_top is not None else 0)
+        lps = host[num_rows + num_reqs:end].reshape(num_rows, -1) if num_top is not None else None
         for req, start, n_acc in zip(reqs, batch.starts.tolist(), accepted):
             rows = range(start, start + n_acc + 1)
             out.sampled[req.request_id] = tokens[start:start + n_acc + 1].tolist()
@@ -239,6 +275,20 @@ class ModelRunner:
             if req.params.logprobs is not None:
                 out.logprobs[req.request_id] = [
                     _logprob_dict(int(tokens[r]), lps[r], req.params.logprobs) for r in rows]
+        return host[end:]
+
+
+def _unpack_prompt(host: np.ndarray, prompt: list[tuple[Request, int, int, int]],
+                   out: ModelRunnerOutput) -> None:
+    """host: [num_prompt_rows, 2 + 2 * num_top] (`_prompt_logprobs`) -> out.prompt_logprobs."""
+    lps = host.reshape(sum(n for *_, n in prompt), -1)
+    row = 0
+    for req, _, first, n in prompt:
+        ids = req.prompt_token_ids[first + 1:first + 1 + n]
+        out.prompt_logprobs[req.request_id] = (first + 1, [
+            _logprob_dict(t, lps[row + i], req.params.prompt_logprobs)
+            for i, t in enumerate(ids)])
+        row += n
 
 
 class HostOutput:
