@@ -16,7 +16,9 @@ import argparse
 import collections
 import contextlib
 import importlib
+import json
 import os
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -81,17 +83,32 @@ class ConversionCounter:
                 setattr(module, f, fn)
 
 
-def conversions_per_step(engine, add_requests) -> list[collections.Counter]:
+def conversions_per_step(engine, add_requests, cuda_syncs: bool = False
+                         ) -> list[collections.Counter]:
     """Run ``engine`` to completion after ``add_requests(engine)``; one Counter per step
-    (debug-mode checks left out)."""
+    (debug-mode checks left out). ``cuda_syncs``: also count, under key ``CUDA_SYNC``, the
+    synchronising CUDA operations ``torch.cuda.set_sync_debug_mode("warn")`` reports."""
     add_requests(engine)
     steps = []
-    while engine.has_unfinished_requests():
-        counter = ConversionCounter()
-        with counter.counting():
-            engine.step()
-        steps.append(counter.counts)
+    if cuda_syncs:
+        torch.cuda.set_sync_debug_mode("warn")
+    try:
+        while engine.has_unfinished_requests():
+            counter = ConversionCounter()
+            with warnings.catch_warnings(record=True) as caught, counter.counting():
+                warnings.simplefilter("always")
+                engine.step()
+            syncs = sum("synchroniz" in str(w.message) for w in caught)
+            if cuda_syncs:
+                counter.counts[CUDA_SYNC] = syncs
+            steps.append(counter.counts)
+    finally:
+        if cuda_syncs:
+            torch.cuda.set_sync_debug_mode("default")
     return steps
+
+
+CUDA_SYNC = "cuda_sync"
 
 
 # --- the issue's table ------------------------------------------------------------------------
@@ -116,22 +133,24 @@ def workload_prompts(num_reqs: int) -> list[list[int]]:
 
 
 def measure(name: str, num_reqs: int, max_tokens: int, debug_padding: bool,
-            graph_backend: str = "emulated") -> list[collections.Counter]:
+            graph_backend: str = "emulated", device: str = "cpu") -> list[collections.Counter]:
     from rung.runtime.llm import LLM
     from rung.runtime.sampling_params import SamplingParams
 
     model, spec, sampling = WORKLOADS[name]
-    llm = LLM(model, dtype="float32", max_num_seqs=num_reqs, max_model_len=128,
-              speculative_config=spec, debug_padding=debug_padding,
-              compilation_config={"graph_backend": graph_backend,
-                                  "cudagraph_capture_sizes": [1, 2, 4, 8, 16]})
+    graphs = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
+    if device == "cpu":
+        graphs["graph_backend"] = graph_backend
+    llm = LLM(model, dtype="float32", device=device, max_num_seqs=num_reqs,
+              max_model_len=128, speculative_config=spec, debug_padding=debug_padding,
+              compilation_config=graphs)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=None, **sampling)
 
     def add(engine) -> None:
         for i, prompt in enumerate(workload_prompts(num_reqs)):
             engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
 
-    return conversions_per_step(llm.engine, add)
+    return conversions_per_step(llm.engine, add, cuda_syncs=device != "cpu")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,23 +158,39 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-reqs", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--debug-padding", action="store_true")
-    p.add_argument("--graph-backend", default="emulated", choices=["emulated", "compiled"])
+    p.add_argument("--graph-backend", default="emulated", choices=["emulated", "compiled"],
+                   help="CPU graphs (CUDA runs CUDA graphs)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, or cuda: also count syncs under set_sync_debug_mode('warn')")
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help="comma-separated subset of: " + ", ".join(WORKLOADS))
+    p.add_argument("--json", help="write the per-workload results here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     os.environ.setdefault("RUNG_GRAPH_BACKEND", args.graph_backend)
-    print(f"{args.num_reqs} requests, {args.max_tokens} tokens each, {args.graph_backend} "
-          f"graphs, debug_padding={args.debug_padding}")
-    print(f"| {'workload':<14} | worst step | mean per step | steps | by kind (all steps) |")
-    print(f"|{'-' * 16}|------------|---------------|-------|---------------------|")
+    graphs = "CUDA" if args.device != "cpu" else args.graph_backend
+    print(f"{args.num_reqs} requests, {args.max_tokens} tokens each, {graphs} graphs on "
+          f"{args.device}, debug_padding={args.debug_padding}")
+    print(f"| {'workload':<14} | worst step | mean per step | CUDA syncs worst / mean | "
+          "steps | by kind (all steps) |")
+    print(f"|{'-' * 16}|------------|---------------|-------------------------|-------|"
+          "---------------------|")
+    results = {}
     for name in args.workloads.split(","):
         steps = measure(name, args.num_reqs, args.max_tokens, args.debug_padding,
-                        args.graph_backend)
+                        args.graph_backend, args.device)
+        syncs = [s.pop(CUDA_SYNC, 0) for s in steps]
         totals = [sum(s.values()) for s in steps]
         kinds = sum(steps, collections.Counter())
+        sync_cell = (f"{max(syncs)} / {sum(syncs) / len(syncs):.2f}" if args.device != "cpu"
+                     else "-")
         print(f"| {name:<14} | {max(totals):>10} | {sum(totals) / len(totals):>13.2f} | "
-              f"{len(steps):>5} | {dict(kinds)} |", flush=True)
+              f"{sync_cell:>23} | {len(steps):>5} | {dict(kinds)} |", flush=True)
+        results[name] = {"conversions_per_step": totals, "cuda_syncs_per_step": syncs,
+                         "by_kind": dict(kinds)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """The host path a GPU needs: tensor-to-host conversions per engine step (each a device
 sync on CUDA), and seeded sampled requests whose tokens depend on nothing but the seed."""
 
+import json
+
 import pytest
 from helpers import conversions_in_steps
 
@@ -92,3 +94,15 @@ def test_a_seeded_request_gives_the_same_tokens_everywhere(model, spec):
             assert stats["preemptions"] > 0
     got, stats = _seeded_tokens(model, None, "preempted")
     assert got == want and stats["preemptions"] > 0
+
+
+def test_the_bench_command_prints_the_table(tmp_path, capsys):
+    """`python -m rung.bench.host_syncs` (gpu_check's host-syncs stage, on CPU here)."""
+    from rung.bench import host_syncs
+
+    out = tmp_path / "host_syncs.json"
+    host_syncs.main(["--num-reqs", "2", "--max-tokens", "3", "--workloads",
+                     "ngram-sampled", "--json", str(out)])
+    assert "| ngram-sampled  |          1 |" in capsys.readouterr().out
+    got = json.loads(out.read_text())["ngram-sampled"]
+    assert max(got["conversions_per_step"]) == 1 and len(got["cuda_syncs_per_step"]) == 3
