@@ -23,7 +23,7 @@ from rung.runtime.input_batch import BatchLayout, HostCopyFence, InputBatch
 from rung.runtime.outputs import Logprob
 from rung.runtime.rejection_sampler import num_accepted
 from rung.runtime.request import Request
-from rung.runtime.sampler import Sampler, SamplingBatch, token_logprobs
+from rung.runtime.sampler import Sampler, SamplingBatch, to_device, token_logprobs
 from rung.runtime.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ class ModelRunner:
         desc = self.dispatch(layout, num_tokens_across_dp)
         self.input_batch.pad(desc)
         hidden = self.forward(desc, layout)                       # [num_tokens_padded, H]
-        rows = torch.from_numpy(layout.logits_indices).to(self.device)
+        rows = to_device(self.device, layout.logits_indices)     # NOTE: non_blocking
         logits = self.model.compute_logits(hidden[rows])          # [num_logits, vocab]
         out = ModelRunnerOutput(desc, {s.request.request_id: [] for s in sched.scheduled},
                                 {}, {}, hidden, logits)
@@ -255,8 +255,8 @@ class ModelRunner:
         nexts = np.concatenate([np.asarray(req.prompt_token_ids[p + 1:p + 1 + n])
                                 for req, _, p, n in prompt])
         num_top = max(req.params.prompt_logprobs for req, *_ in prompt)
-        logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
-        return token_logprobs(logits, torch.from_numpy(nexts).to(self.device), num_top)
+        logits = self.model.compute_logits(hidden[to_device(self.device, rows)])
+        return token_logprobs(logits, to_device(self.device, nexts), num_top)
 
     def _unpack(self, host: np.ndarray, reqs: list[Request], batch: SamplingBatch,
                 num_top: int | None, layout: BatchLayout, out: ModelRunnerOutput

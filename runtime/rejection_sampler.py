@@ -17,7 +17,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rung.runtime.sampler import STREAM_ACCEPT, STREAM_RESIDUAL, SamplingBatch, inverse_cdf
+from rung.runtime.sampler import (
+    STREAM_ACCEPT,
+    STREAM_RESIDUAL,
+    SamplingBatch,
+    inverse_cdf,
+    to_device,
+)
 from rung.runtime.sampler import uniforms as keyed_uniforms
 
 
@@ -77,4 +83,4 @@ def _uniforms(batch: SamplingBatch, stream: int, rows: torch.Tensor,
               device: torch.device) -> torch.Tensor:
     """The keyed uniforms of ``stream`` at the draft rows. -> [num_reqs, k_max] fp32."""
     u = keyed_uniforms(batch.keys, batch.positions, stream).astype(np.float32)
-    return torch.from_numpy(u).to(device)[rows]
+    return to_device(device, u)[rows]

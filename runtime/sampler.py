@@ -52,7 +52,7 @@ def uniforms(keys: np.ndarray, positions: np.ndarray, stream: int = STREAM_TARGE
 
 
 # --- what one step samples (built on the host, read on the device) --------------------------
-def _to(device: torch.device, array: np.ndarray) -> torch.Tensor:
+def to_device(device: torch.device, array: np.ndarray) -> torch.Tensor:
     # NOTE: small per-step arrays; non_blocking so a CUDA host never waits on the copy
     return torch.from_numpy(array).to(device, non_blocking=True)
 
@@ -102,10 +102,12 @@ class SamplingBatch:
         grid = np.arange(k_max + 1)
         rows = np.where(grid <= num_drafts[:, None], starts[:, None] + grid, 0)
         return cls(
-            num_rows=len(row_req), row_req=row_req, starts=starts, drafts=_to(device, padded),
-            draft_rows=_to(device, rows), keys=keys, positions=positions,
-            uniform=_to(device, uniforms(keys, positions).astype(np.float32)),
-            greedy=_to(device, greedy), temperature=_to(device, np.where(greedy, 1, temps)),
+            num_rows=len(row_req), row_req=row_req, starts=starts,
+            drafts=to_device(device, padded), draft_rows=to_device(device, rows), keys=keys,
+            positions=positions,
+            uniform=to_device(device, uniforms(keys, positions).astype(np.float32)),
+            greedy=to_device(device, greedy),
+            temperature=to_device(device, np.where(greedy, 1, temps)),
             top_k=_per_row([p.top_k or vocab_size for p in params], np.int64, row_req,
                            device, any(0 < p.top_k < vocab_size for p in params)),
             top_p=_per_row([p.top_p for p in params], np.float32, row_req, device,
@@ -119,12 +121,14 @@ class SamplingBatch:
 
 def _per_row(values: list, dtype: type, row_req: np.ndarray, device: torch.device,
              needed: bool) -> torch.Tensor | None:
-    return _to(device, np.asarray(values, dtype=dtype)[row_req]) if needed else None
+    return to_device(device, np.asarray(values, dtype=dtype)[row_req]) if needed else None
 
 
 def _banned(reqs: list[Request], within: np.ndarray, row_req: np.ndarray,
             device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, token ids) of EOS / stop tokens on rows below their request's min_tokens."""
+    if all(r.num_output_tokens >= r.params.min_tokens for r in reqs):
+        return None
     rows, ids = [], []
     for row, (j, offset) in enumerate(zip(row_req.tolist(), within.tolist())):
         req = reqs[j]
@@ -138,7 +142,7 @@ def _banned(reqs: list[Request], within: np.ndarray, row_req: np.ndarray,
         ids += stops
     if not rows:
         return None
-    return _to(device, np.array(rows, dtype=np.int64)), _to(device, np.array(ids, np.int64))
+    return _index(device, rows, ids)
 
 
 @dataclasses.dataclass
@@ -176,7 +180,7 @@ class Penalties:
         seen[_index(device, prompt_rows, prompt_ids)] = True
 
         def column(values: list[float]) -> torch.Tensor:
-            return _to(device, np.asarray(values, dtype=np.float32)[row_req][:, None])
+            return to_device(device, np.asarray(values, dtype=np.float32)[row_req][:, None])
 
         return cls(column([p.repetition_penalty for p in params]),
                    column([p.frequency_penalty for p in params]),
@@ -192,8 +196,8 @@ class Penalties:
 
 def _index(device: torch.device, rows: list[int], ids: list[int]
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    return (_to(device, np.asarray(rows, dtype=np.int64)),
-            _to(device, np.asarray(ids, dtype=np.int64)))
+    return (to_device(device, np.asarray(rows, dtype=np.int64)),
+            to_device(device, np.asarray(ids, dtype=np.int64)))
 
 
 # --- the sampler (device) -------------------------------------------------------------------
@@ -201,8 +205,7 @@ def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     """min_tokens mask and penalties: what greedy takes the argmax of. [R, V] fp32."""
     logits = logits.float()
     if batch.banned is not None:
-        logits = logits.index_put(batch.banned, torch.tensor(float("-inf"),
-                                                             device=logits.device))
+        logits = logits.index_put(batch.banned, logits.new_full((), float("-inf")))
     if batch.penalties is not None:
         logits = batch.penalties.apply(logits)
     return logits
