@@ -373,12 +373,11 @@ class LLMEngine:
             num_accepted = max(len(new) - 1, 0) if s.num_spec_tokens else 0
             if s.num_spec_tokens and new:
                 self.spec_stats.record(s.num_spec_tokens, num_accepted)
-            # NOTE: tokens first: the blocks advance() hashes must hold every verified token
-            out = self._append(req, new, result.logprobs.get(req.request_id)) if new else None
-            req.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens + num_accepted
-            req.spec_token_ids = []
-            if not req.is_finished:
-                self.kv.advance(req)      # hash blocks now full, free blocks out of the window
+            num_computed = s.num_new_tokens - s.num_spec_tokens + num_accepted
+            num_kept, reason = req.commit(new, num_computed, self.kv,
+                                          functools.partial(self._stop_reason, req))
+            out = self._output_after(req, new[:num_kept], result.logprobs.get(req.request_id),
+                                     reason) if new else None
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -398,7 +397,7 @@ class LLMEngine:
             if req.is_finished or not result.sampled.get(req.request_id):
                 continue
             room = self.max_model_len - req.num_tokens
-            req.spec_token_ids = list(req_drafts[:max(room, 0)])
+            req.set_drafts(req_drafts[:max(room, 0)])
 
     def _count_step(self, desc: BatchExecutionDescriptor) -> None:
         if desc.mode == CUDAGraphMode.NONE:
@@ -412,19 +411,16 @@ class LLMEngine:
                 f"{self.config.block_size} tokens: it can never run (shorten the prompt or "
                 "give the KV cache more blocks)")
 
-    def _append(self, req: Request, new: list[int], logprobs: list | None
-                ) -> RequestOutput | None:
-        for i, token in enumerate(new):
-            req.token_ids.append(token)
-            if logprobs is not None and req.logprobs is not None:
+    def _output_after(self, req: Request, tokens: list[int], logprobs: list | None,
+                      reason: str | None) -> RequestOutput | None:
+        """The output once ``tokens`` went in: their logprobs recorded, and the request
+        finished if one of them ended it."""
+        if logprobs is not None and req.logprobs is not None:
+            for i, token in enumerate(tokens):
                 req.logprobs.append(self._decoded(logprobs[i]))
                 req.cumulative_logprob += logprobs[i][token].logprob
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                req.finish_reason = reason
-                break
-        if req.finish_reason is not None:
-            return self._finish(req, req.finish_reason)
+        if reason is not None:
+            return self._finish(req, reason)
         return self._output(req)
 
     def _decoded(self, logprobs: dict[int, Logprob]) -> dict[int, Logprob]:
