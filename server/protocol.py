@@ -181,7 +181,10 @@ def completion_logprobs(c: CompletionOutput, text_offset: int) -> dict[str, Any]
         text = _token_text(sampled, token_id)
         tokens.append(text)
         token_lps.append(sampled.logprob)
-        tops.append({_token_text(lp, t): lp.logprob for t, lp in _by_rank(entries)})
+        top: dict[str, float] = {}
+        for t, lp in _by_rank(entries):        # NOTE: tokens that decode alike keep the best
+            top.setdefault(_token_text(lp, t), lp.logprob)
+        tops.append(top)
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
