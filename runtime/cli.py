@@ -347,6 +347,14 @@ def _add_bench(sub: Any) -> None:
 
     add_prefix_args(latency)
     latency.set_defaults(func=cmd_bench)
+    serve = bench_sub.add_parser("serve", help="rung serve under a bounded loopback load, "
+                                 "next to LLM.generate on the same prompts",
+                                 formatter_class=_HelpFormatter)
+    _engine_args(serve)
+    from rung.bench.serve import add_serve_bench_args
+
+    add_serve_bench_args(serve)
+    serve.set_defaults(func=cmd_bench_serve)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -394,10 +402,14 @@ def _add_serve(sub: Any) -> None:
     serve.set_defaults(func=cmd_serve)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve_check() -> None:
     missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if not _importable(m)]
     if missing:
         raise ImportError(f"rung serve needs {', '.join(missing)}: pip install 'rung[serve]'")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    cmd_serve_check()
     if args.data_parallel_size > 1:
         raise ValueError(f"rung serve runs one engine: drop --data-parallel-size "
                          f"{args.data_parallel_size}")
@@ -418,6 +430,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           chat_template=template, shutdown_timeout_s=args.shutdown_timeout)
     llm = build_llm(args)
     return run_server(llm.engine, config, args.host, args.port, args.uvicorn_log_level)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    cmd_serve_check()
+    check_output_path(args.json, "--json")
+    from rung.bench.serve import run_serve_bench
+
+    return run_serve_bench(args, build_llm, engine_argv(args))
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of ``args`` that differ from their defaults, as a command line."""
+    parser = argparse.ArgumentParser(add_help=False)
+    _engine_args(parser)
+    argv: list[str] = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        argv += [flag] if isinstance(action, argparse._StoreTrueAction) else [flag, str(value)]
+    return argv
 
 
 # --- entry point -----------------------------------------------------------------------------

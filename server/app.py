@@ -180,18 +180,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="rung", lifespan=lifespan)
     app.state.server = server
-
-    @app.middleware("http")
-    async def auth_and_count(request: Request, call_next):
-        if config.api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {config.api_key}":
-                response = _error(HTTPError(401, "missing or wrong API key: send "
-                                            "'Authorization: Bearer <key>'"))
-                _count(server, request, response)
-                return response
-        response = await call_next(request)
-        _count(server, request, response)
-        return response
+    app.add_middleware(_AuthAndCount, server=server)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -284,9 +273,38 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     return app
 
 
-def _count(server: _Server, request: Request, response: Response) -> None:
-    m = server.metrics
-    m.requests.labels(m.model_name, request.url.path, str(response.status_code)).inc()
+class _AuthAndCount:
+    """ASGI middleware: the Bearer token on /v1 (when --api-key is set), and a count of
+    every answer by path and status. NOTE: plain ASGI, not Starlette's BaseHTTPMiddleware,
+    which relays every streamed chunk through an extra task and queue."""
+
+    def __init__(self, app, server: _Server) -> None:
+        self.app, self.server = app, server
+        key = server.config.api_key
+        self.expected = None if key is None else f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if self.expected is not None and path.startswith("/v1") and (
+                dict(scope["headers"]).get(b"authorization") != self.expected):
+            self._count(path, 401)
+            await _error(HTTPError(401, "missing or wrong API key: send 'Authorization: "
+                                   "Bearer <key>'"))(scope, receive, send)
+            return
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                self._count(path, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+    def _count(self, path: str, status: int) -> None:
+        m = self.server.metrics
+        m.requests.labels(m.model_name, path, str(status)).inc()
 
 
 def _error(exc: HTTPError) -> JSONResponse:
@@ -385,7 +403,9 @@ async def _events(stream: RequestStream, tracker: _Tracker, head: dict, include_
                     return
                 if c.finish_reason is not None:
                     tracker.finish(choice, c.finish_reason, c.stop_reason)
-                if c.text or c.finish_reason is not None or c.logprobs or (announce and first):
+                # NOTE: a delta with tokens is sent even when its text is empty (a
+                # broken character held back, a token without text), as vLLM does
+                if c.token_ids or c.finish_reason is not None or (announce and first):
                     choices.append(choice_body(choice, c, first))
             if choices:
                 yield _event({**head, "choices": choices, **usage_none})

@@ -50,14 +50,17 @@ class RequestStream:
         self._unfinished = set(request_ids)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        """Outputs in order; what piled up while the reader was busy comes merged, so a
+        slow client gets fewer, larger deltas instead of falling further behind."""
         try:
             while self._unfinished:
-                item = await self.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    self._unfinished.discard(item.request_id)
-                yield item
+                items = [await self.queue.get()]
+                while not self.queue.empty():
+                    items.append(self.queue.get_nowait())
+                for item in _coalesce(items):
+                    if item.finished:
+                        self._unfinished.discard(item.request_id)
+                    yield item
         finally:
             self.close()
 
@@ -67,6 +70,28 @@ class RequestStream:
             self._loop._send(("abort", list(self._unfinished)))
             self._unfinished.clear()
         self._loop._forget(self)
+
+
+def _coalesce(items: list) -> list[RequestOutput]:
+    """Consecutive DELTA outputs of one sequence -> one; an exception among ``items`` is
+    raised after the outputs before it."""
+    merged: dict[tuple[str, int], RequestOutput] = {}
+    for item in items:
+        if isinstance(item, BaseException):
+            raise item
+        # NOTE: a DELTA output holds one completion (n > 1: one per child, by index)
+        key = (item.request_id, item.outputs[0].index)
+        merged[key] = _merge(merged[key], item) if key in merged else item
+    return list(merged.values())
+
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    ca, cb = a.outputs[0], b.outputs[0]
+    c = dataclasses.replace(
+        cb, token_ids=ca.token_ids + cb.token_ids,
+        logprobs=None if cb.logprobs is None else (ca.logprobs or []) + cb.logprobs)
+    c.text = ca.text + cb.text
+    return dataclasses.replace(b, outputs=[c])
 
 
 class EngineLoop:

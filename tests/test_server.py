@@ -313,3 +313,18 @@ def test_api_key_full_queue_and_sigterm(tmp_path):
         assert "cut 1 request(s)" in s.output()
     finally:
         s.stop()
+
+
+def test_bench_serve_runs_both_sides_on_the_same_load(tmp_path):
+    out = tmp_path / "serve.json"
+    run = subprocess.run([sys.executable, "-m", "rung.runtime.cli", "bench", "serve", "--model",
+                          MODEL, "--enforce-eager", "--streams", "1,2", "--rounds", "1",
+                          "--input-len", "8", "--output-len", "4", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    records = json.loads(out.read_text())["records"]
+    assert [r["streams"] for r in records] == [1, 2]
+    for r in records:
+        assert r["generate_num_tokens"] == r["serve_num_tokens"] == 4 * r["streams"]
+        assert r["serve_tokens_per_s"] > 0 and r["serve_ttft_ms_p50"] > 0
+    assert "2 streams: tokens/s generate" in run.stdout
