@@ -247,8 +247,9 @@ def _record(count: int, rounds: list[tuple[dict, dict]]) -> dict[str, Any]:
         if itl:
             rec.update(percentiles_ms(itl, f"{name}_itl"))
     # NOTE: the overhead is the median over rounds of each round's own ratio (A B pairs)
-    rec["serve_overhead"] = statistics.median(
-        1 - srv["tokens_per_s"] / gen["tokens_per_s"] for gen, srv in rounds)
+    rec["serve_overhead_per_round"] = [1 - srv["tokens_per_s"] / gen["tokens_per_s"]
+                                       for gen, srv in rounds]
+    rec["serve_overhead"] = statistics.median(rec["serve_overhead_per_round"])
     return rec
 
 

@@ -215,7 +215,13 @@ class EngineLoop:
         while True:
             if command[0] == "stop":
                 return False
-            self._handle(command)
+            try:
+                self._handle(command)
+            except Exception as e:      # noqa: BLE001 - the owner thread must not die
+                logger.exception("engine command %s failed", command[0])
+                futures = [c for c in command if isinstance(c, asyncio.Future)]
+                for future in futures:
+                    self._call(self._resolve, future, e)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
