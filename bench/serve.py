@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -78,6 +79,8 @@ def run_serve_bench(args: argparse.Namespace, build_llm: Callable[..., LLM],
     start = time.monotonic()
     llm = build_llm(args)
     vocab = llm.engine.runner.vocab_size
+    # NOTE: a SIGTERM to the bench unwinds through `finally`, so the server goes too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     server = _ServerProcess(engine_argv, args.threads)
     records = []
     try:

@@ -315,6 +315,7 @@ def test_api_key_full_queue_and_sigterm(tmp_path):
         s.stop()
 
 
+@pytest.mark.slow          # a third engine and a third server: ~20 s quiet, ~45 s busy
 def test_bench_serve_runs_both_sides_on_the_same_load(tmp_path):
     out = tmp_path / "serve.json"
     run = subprocess.run([sys.executable, "-m", "rung.runtime.cli", "bench", "serve", "--model",
