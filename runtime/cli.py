@@ -1,4 +1,4 @@
-"""`rung` command line: generate, warmup, verify, bench.
+"""`rung` command line: generate, warmup, verify, bench, serve.
 
 Every subcommand is added by one ``_add_*`` function; errors a user can cause become one
 ``error: ...`` line on stderr (exit 2 for bad input, 1 for a failure), Ctrl-C exits quietly
@@ -347,6 +347,14 @@ def _add_bench(sub: Any) -> None:
 
     add_prefix_args(latency)
     latency.set_defaults(func=cmd_bench)
+    serve = bench_sub.add_parser("serve", help="rung serve under a bounded loopback load, "
+                                 "next to LLM.generate on the same prompts",
+                                 formatter_class=_HelpFormatter)
+    _engine_args(serve)
+    from rung.bench.serve import add_serve_bench_args
+
+    add_serve_bench_args(serve)
+    serve.set_defaults(func=cmd_bench_serve)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -367,9 +375,88 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_latency(args, build_llm)
 
 
+# --- serve -----------------------------------------------------------------------------------
+def _add_serve(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, "
+                           "/v1/chat/completions, /v1/models, /health, /metrics)",
+                           formatter_class=_HelpFormatter)
+    _engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients send (default: --model)")
+    serve.add_argument("--api-key", default=os.environ.get("RUNG_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 (default: "
+                            "$RUNG_API_KEY; none: no auth)")
+    serve.add_argument("--max-queue", type=int, default=None,
+                       help="sequences that may wait beyond --max-num-seqs; more get 503 "
+                            "(default: no limit)")
+    serve.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template file, instead of the model's own")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds running requests get to finish after SIGTERM before "
+                            "they are cut (finish_reason 'abort')")
+    serve.add_argument("--uvicorn-log-level", default="warning",
+                       choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn's log level (access lines at info)")
+    serve.set_defaults(func=cmd_serve)
+
+
+def cmd_serve_check() -> None:
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if not _importable(m)]
+    if missing:
+        raise ImportError(f"rung serve needs {', '.join(missing)}: pip install 'rung[serve]'")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    cmd_serve_check()
+    if args.data_parallel_size > 1:
+        raise ValueError(f"rung serve runs one engine: drop --data-parallel-size "
+                         f"{args.data_parallel_size}")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port {args.port} must be in [1, 65535]")
+    if args.max_queue is not None and args.max_queue < 0:
+        raise ValueError(f"--max-queue {args.max_queue} must be >= 0")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0")
+    template = None
+    if args.chat_template is not None:
+        with open(args.chat_template) as f:
+            template = f.read()
+    from rung.server.app import ServerConfig, run_server
+
+    config = ServerConfig(model_name=args.served_model_name or args.model,
+                          api_key=args.api_key or None, max_queue=args.max_queue,
+                          chat_template=template, shutdown_timeout_s=args.shutdown_timeout)
+    llm = build_llm(args)
+    return run_server(llm.engine, config, args.host, args.port, args.uvicorn_log_level)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    cmd_serve_check()
+    check_output_path(args.json, "--json")
+    from rung.bench.serve import run_serve_bench
+
+    return run_serve_bench(args, build_llm, engine_argv(args))
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of ``args`` that differ from their defaults, as a command line."""
+    parser = argparse.ArgumentParser(add_help=False)
+    _engine_args(parser)
+    argv: list[str] = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        argv += [flag] if isinstance(action, argparse._StoreTrueAction) else [flag, str(value)]
+    return argv
+
+
 # --- entry point -----------------------------------------------------------------------------
 SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_warmup, _add_verify,
-                                              _add_bench]
+                                              _add_bench, _add_serve]
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -30,6 +30,7 @@ from rung.runtime.model_runner import ModelRunner, ModelRunnerOutput
 from rung.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from rung.runtime.parallel_sampling import ParentRequest
 from rung.runtime.request import Request
+from rung.runtime.request_ids import RequestId, check_request_id
 from rung.runtime.sampling_params import RequestOutputKind, SamplingParams
 from rung.runtime.scheduler import Scheduler, SchedulerOutput
 from rung.runtime.spec_decode import SpecStats, make_proposer
@@ -79,7 +80,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.kv_groups, self.runner.num_blocks,
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[RequestId, Request] = {}
         self._arrivals = 0
         self._stats: collections.Counter = collections.Counter()
         self.graph_replays: collections.Counter = collections.Counter()
@@ -91,8 +92,9 @@ class LLMEngine:
             self.dp.check_same_config(self._dp_fingerprint())
             self._shard_experts()
         self._prompt_logprobs: dict[str, list] = {}    # request id -> prompt_logprobs so far
-        self._parents: dict[str, ParentRequest] = {}
-        self._child_index: dict[str, tuple[ParentRequest, int]] = {}
+        self._parents: dict[RequestId, ParentRequest] = {}
+        self._child_index: dict[RequestId, tuple[ParentRequest, int]] = {}
+        self._requeued: list[RequestOutput] = []     # returned first by the next step()
         if config.enforce_eager:
             logger.info("enforce_eager: no graphs, every step runs eagerly")
         else:
@@ -144,11 +146,13 @@ class LLMEngine:
                     graphs.pool_bytes / 2**20)
 
     # --- requests -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
-                    ) -> None:
-        """Validate and queue one request. Bad input raises ValueError and leaves the
-        engine untouched."""
-        params = params or SamplingParams()
+    def add_request(self, request_id: RequestId, prompt: Prompt,
+                    params: SamplingParams | None = None) -> None:
+        """Validate and queue one request (every sample of an ``n > 1`` one, or none). Bad
+        input raises ValueError and leaves the engine untouched. The engine keeps its own
+        copy of ``params``: changing the caller's object later changes nothing here."""
+        check_request_id(request_id)
+        params = (params or SamplingParams()).clone()
         if request_id in self.requests or request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
@@ -164,11 +168,14 @@ class LLMEngine:
                               self.tokenizer))
             return
         parent = ParentRequest(request_id, params)
+        # NOTE: every sample is built (seeded) before any is queued: all or none
+        children = [Request(child_id, text, token_ids, parent.child_params(params, index),
+                            eos, self._arrivals + index, self.tokenizer)
+                    for index, child_id in enumerate(parent.child_ids)]
         self._parents[request_id] = parent
-        for index, child_id in enumerate(parent.child_ids):
-            self._child_index[child_id] = (parent, index)
-            self._add(Request(child_id, text, token_ids, parent.child_params(params, index),
-                              eos, self._arrivals, self.tokenizer))
+        for index, child in enumerate(children):
+            self._child_index[child.request_id] = (parent, index)
+            self._add(child)
 
     def _with_generation_stops(self, params: SamplingParams, eos: int | None) -> SamplingParams:
         """The model's other end-of-generation ids (a chat model's end of turn) stop the request
@@ -196,8 +203,10 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError("prompt_token_ids must be a list of ints")
+            if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError(f"prompt_token_ids must be a list of ints, got "
+                                 f"{_preview(ids)}")
             return prompt.get("prompt"), list(ids)
         raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got "
                          f"{type(prompt).__name__}")
@@ -230,13 +239,19 @@ class LLMEngine:
             raise ValueError(f"stop strings {params.stop} need a tokenizer; model "
                              f"{self.config.model!r} has none: use stop_token_ids")
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: RequestId) -> None:
+        """Finish a request (every sample of an ``n > 1`` one) as "abort"; an id that names
+        no running request is ignored. One sample alone cannot be aborted."""
+        check_request_id(request_id)
         parent = self._parents.pop(request_id, None)
         if parent is not None:
             for child_id in parent.child_ids:
                 self._child_index.pop(child_id, None)
-                self.abort_request(child_id)
+                self._abort(child_id)
             return
+        self._abort(request_id)
+
+    def _abort(self, request_id: RequestId) -> None:
         req = self.requests.get(request_id)
         if req is not None and not req.is_finished:
             self._finish(req, "abort")
@@ -247,7 +262,8 @@ class LLMEngine:
         return self.kv.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests still running or waiting, or outputs still to be returned by step()."""
+        return self.scheduler.has_unfinished() or bool(self._requeued)
 
     # --- data parallel ----------------------------------------------------------------------
     def _dp_fingerprint(self) -> dict[str, Any]:
@@ -279,7 +295,7 @@ class LLMEngine:
         padded = (graphs.dispatcher.padded_size
                   if graphs is not None and graphs.mode != CUDAGraphMode.NONE else no_graph)
         drafts = getattr(self.proposer, "dispatcher", None)
-        step = self.dp.sync(sched.num_reqs, sched.num_tokens, self.has_unfinished_requests(),
+        step = self.dp.sync(sched.num_reqs, sched.num_tokens, self.scheduler.has_unfinished(),
                             padded, drafts.padded_size if drafts is not None else None)
         self.all_ranks_idle = step.all_idle
         return step
@@ -302,9 +318,16 @@ class LLMEngine:
         """One step (`_step`); children of an ``n > 1`` request report as their parent.
         Under data parallel every rank must call it; loop until ``all_ranks_idle``."""
         outputs = self._step()
-        if not self._child_index:
-            return outputs
-        return [g for g in map(self._gather, outputs) if g is not None]
+        if self._child_index:
+            outputs = [g for g in map(self._gather, outputs) if g is not None]
+        if self._requeued:
+            outputs, self._requeued = self._requeued + outputs, []
+        return outputs
+
+    def requeue_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Outputs a caller took from ``step()`` but does not own (``LLM.generate`` stepping
+        beside requests added directly): the next ``step()`` returns them first, in order."""
+        self._requeued += outputs
 
     def _gather(self, out: RequestOutput) -> RequestOutput | None:
         """A child of an ``n > 1`` request reports as its parent."""
@@ -352,14 +375,15 @@ class LLMEngine:
             # NOTE: KV of rejected drafts is discarded by not counting it as computed;
             # the next step overwrites those slots.
             num_accepted = max(len(new) - 1, 0) if s.num_spec_tokens else 0
-            req.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens + num_accepted
-            req.spec_token_ids = []
-            self.kv.advance(req)      # hash blocks now full, free blocks out of the window
             if s.num_spec_tokens and new:
                 self.spec_stats.record(s.num_spec_tokens, num_accepted)
             if req.request_id in result.prompt_logprobs:
                 self._add_prompt_logprobs(req, *result.prompt_logprobs[req.request_id])
-            out = self._append(req, new, result.logprobs.get(req.request_id)) if new else None
+            num_computed = s.num_new_tokens - s.num_spec_tokens + num_accepted
+            num_kept, reason = req.commit(new, num_computed, self.kv,
+                                          functools.partial(self._stop_reason, req))
+            out = self._output_after(req, new[:num_kept], result.logprobs.get(req.request_id),
+                                     reason) if new else None
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -387,7 +411,7 @@ class LLMEngine:
             if req.is_finished or not result.sampled.get(req.request_id):
                 continue
             room = self.max_model_len - req.num_tokens
-            req.spec_token_ids = list(req_drafts[:max(room, 0)])
+            req.set_drafts(req_drafts[:max(room, 0)])
 
     def _count_step(self, desc: BatchExecutionDescriptor) -> None:
         if desc.mode == CUDAGraphMode.NONE:
@@ -401,23 +425,16 @@ class LLMEngine:
                 f"{self.config.block_size} tokens: it can never run (shorten the prompt or "
                 "give the KV cache more blocks)")
 
-    def _append(self, req: Request, new: list[int], logprobs: list | None
-                ) -> RequestOutput | None:
-        for i, token in enumerate(new):
-            req.token_ids.append(token)
-            if logprobs is not None and req.logprobs is not None:
+    def _output_after(self, req: Request, tokens: list[int], logprobs: list | None,
+                      reason: str | None) -> RequestOutput | None:
+        """The output once ``tokens`` went in: their logprobs recorded, and the request
+        finished if one of them ended it."""
+        if logprobs is not None and req.logprobs is not None:
+            for i, token in enumerate(tokens):
                 req.logprobs.append(self._decoded(logprobs[i]))
                 req.cumulative_logprob += logprobs[i][token].logprob
-            reason = self._stop_reason(req, token)
-            if reason is None and req.params.stop and self._hits_stop_string(req):
-                reason = "stop"
-            if reason is not None:
-                req.finish_reason = reason
-                if reason == "stop" and token != req.eos_token_id and req.stop_reason is None:
-                    req.stop_reason = token
-                break
-        if req.finish_reason is not None:
-            return self._finish(req, req.finish_reason)
+        if reason is not None:
+            return self._finish(req, reason)
         return self._output(req)
 
     def _decoded(self, logprobs: dict[int, Logprob]) -> dict[int, Logprob]:
@@ -442,13 +459,18 @@ class LLMEngine:
         return True
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
+        """Why ``token`` (just appended) ends the request, or None. A stop token or string
+        wins over a length limit the same token reaches. Sets ``req.stop_reason``."""
         p = req.params
         n_out = req.num_output_tokens
         if n_out >= p.min_tokens:
             if token == req.eos_token_id and not p.ignore_eos:
                 return "stop"
             if token in p.stop_token_ids:
+                req.stop_reason = token
                 return "stop"
+        if p.stop and self._hits_stop_string(req):
+            return "stop"
         if p.max_tokens is not None and n_out >= p.max_tokens:
             return "length"
         if req.num_tokens >= self.max_model_len:
@@ -528,6 +550,11 @@ class LLMEngine:
                                  "hit_tokens": prefix.num_hit_tokens,
                                  "hit_rate": prefix.hit_rate,
                                  "evicted_blocks": sum(p.num_evicted for p in kv.pools)}}
+
+
+def _preview(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _short(sizes: list[int]) -> str:

@@ -9,17 +9,19 @@ from __future__ import annotations
 import dataclasses
 
 from rung.runtime.outputs import CompletionOutput, RequestOutput
+from rung.runtime.request_ids import RequestId, SampleId
 from rung.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 
 class ParentRequest:
     """The user's request id, its ``n`` children, and their finished completions."""
 
-    def __init__(self, request_id: str, params: SamplingParams) -> None:
+    def __init__(self, request_id: RequestId, params: SamplingParams) -> None:
         self.request_id = request_id
         self.n = params.n
         self.output_kind = params.output_kind
-        self.child_ids = [f"{index}_{request_id}" for index in range(params.n)]
+        # NOTE: ids of their own type: no user id can alias a sample (request_ids.py)
+        self.child_ids = [SampleId(request_id, index) for index in range(params.n)]
         self.finished: dict[int, CompletionOutput] = {}
 
     @staticmethod
