@@ -63,7 +63,8 @@ class LLMEngine:
             self.dp, config.device = init_data_parallel(
                 config.data_parallel_size, config.device, config.data_parallel_timeout_s)
         self.loaded: LoadedModel = load_model(config.model, config.dtype, str(config.device),
-                                              config.load_format)
+                                              config.load_format,
+                                              quantization=config.quantization)
         if hasattr(self.loaded.model, "bind_target"):
             raise ValueError(f"model {config.model!r} is an MTP drafter, not a model to serve: "
                              "pass it as speculative_config={'method': 'mtp', 'model': "
@@ -271,6 +272,7 @@ class LLMEngine:
         c = self.config
         spec = c.speculative
         return {"model": c.model, "dtype": str(c.dtype), "load_format": c.load_format,
+                "quantization": c.quantization,
                 "max_model_len": self.max_model_len, "max_num_seqs": c.max_num_seqs,
                 "max_num_batched_tokens": c.max_num_batched_tokens,
                 "block_size": c.block_size, "enforce_eager": c.enforce_eager,
