@@ -18,7 +18,9 @@ from rung.core.forward_context import (
     get_forward_context,
 )
 from rung.core.graph_mode import CUDAGraphMode
-from rung.graphs.capture import CapturedGraph, Outputs, make_capture_backend
+from rung.graphs.backends import make_capture_backend
+from rung.graphs.capture import CapturedGraph, Outputs, memory_identity
+from rung.graphs.compiled import MIN_DYNAMIC_SIZE
 from rung.graphs.compiler import compile_model
 from rung.graphs.dispatcher import Dispatcher, downgrade
 from rung.kernels.backend import AttentionBackend
@@ -134,8 +136,9 @@ class GraphManager:
             else:
                 inputs = self._full_inputs(ids, positions, ctx)
                 if hasattr(self.capture_backend, "capture_model"):   # compiled CPU graphs
+                    named = self._named_tensors(inputs)
                     graph = self.capture_backend.capture_model(
-                        self._model_forward, inputs, self._named_tensors(inputs),
+                        self._model_forward, inputs, named, _symbolic_dims(named, ctx),
                         _compile_key(desc, ctx))
                     compiled_s, load_s = graph.compile_s, graph.load_s
                 else:
@@ -245,12 +248,33 @@ class GraphManager:
 
 
 def _compile_key(desc: BatchExecutionDescriptor, ctx: ForwardContext) -> dict[str, Any]:
-    """What a traced forward specialises on besides tensor shapes."""
-    groups = {(m.block_size, m.max_seq_len, m.max_query_len)
-              for m in (getattr(x, "common", x) for x in ctx.attn_metadata.values())}
+    """What a traced forward specialises on besides tensor shapes.
+
+    NOTE: inlined attention reads the block size alone of the metadata's constants (it
+    covers every column of the block table it is handed): max_seq_len and max_query_len
+    follow max_model_len and the batch, and would split the cache for nothing.
+    """
+    block_sizes = {m.block_size for m in (getattr(x, "common", x)
+                                          for x in ctx.attn_metadata.values())}
     return {"mode": desc.mode.name, "num_tokens_padded": desc.num_tokens_padded,
             "num_reqs_padded": desc.num_reqs_padded,
-            "uniform_query_len": desc.uniform_query_len, "metadata": sorted(groups)}
+            "uniform_query_len": desc.uniform_query_len, "block_sizes": sorted(block_sizes)}
+
+
+def _symbolic_dims(named: dict[str, torch.Tensor], ctx: ForwardContext
+                   ) -> dict[str, tuple[int, ...]]:
+    """Dimensions a compiled forward traces as symbols, by tensor name: each KV cache's
+    block count (dim 1 of [2, num_blocks, block_size, kv_heads, head_dim]) and each block
+    table's width (blocks read per request, cut at each replay)."""
+    tables = {memory_identity(getattr(m, "common", m).block_table)
+              for m in ctx.attn_metadata.values()}
+    dims: dict[str, tuple[int, ...]] = {}
+    for name, t in named.items():
+        if name.startswith("kv.") and t.shape[1] >= MIN_DYNAMIC_SIZE:
+            dims[name] = (1,)
+        elif memory_identity(t) in tables and t.shape[1] >= MIN_DYNAMIC_SIZE:
+            dims[name] = (1,)
+    return dims
 
 
 def artifact_cache(runner: GraphRunner, config: Any) -> Any:

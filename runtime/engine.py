@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.graph_mode import CUDAGraphMode
-from rung.graphs.capture import resolve_graph_backend
+from rung.graphs.backends import resolve_graph_backend
 from rung.graphs.ladder import capture_sizes
 from rung.graphs.manager import TARGET, CaptureRecord, GraphManager, artifact_cache
 from rung.kernels.triton.variants import KERNEL_VARIANTS
