@@ -65,6 +65,38 @@ def tensor_signature(t: torch.Tensor, dynamic_dims: tuple[int, ...] = ()) -> lis
     return [shape, layout, str(t.dtype), str(t.device)]
 
 
+def artifact_key(base: dict[str, Any], graph_key: dict[str, Any],
+                 named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]]) -> str:
+    """``dynamic``: name -> the dimensions of that tensor traced symbolic."""
+    payload = {**base, **graph_key,
+               "tensors": {n: tensor_signature(t, dynamic.get(n, ())) for n, t in named.items()}}
+    text = json.dumps(payload, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def input_names(inputs: list, sizes: dict[int, tuple[int, int]],
+                named: dict[str, torch.Tensor]) -> list[str] | None:
+    """A name for each flat input of a traced graph (None if one has no name): a tensor's
+    name in ``named``, or "size_of:<input>:<dim>" for a symbolic size."""
+    by_identity: dict[tuple, str] = {}
+    for name, t in named.items():
+        by_identity.setdefault(memory_identity(t), name)
+    names = [by_identity.get(memory_identity(t)) if isinstance(t, torch.Tensor)
+             else f"{SIZE_OF}{sizes[i][0]}:{sizes[i][1]}" if i in sizes else None
+             for i, t in enumerate(inputs)]
+    return None if None in names else names
+
+
+def bind_inputs(names: list[str], named: dict[str, torch.Tensor]
+                ) -> tuple[list, dict[int, tuple[int, int]]]:
+    """(flat inputs, size inputs) of an artifact whose inputs are ``names``; KeyError if
+    ``named`` lacks one."""
+    inputs = [0 if name.startswith(SIZE_OF) else named[name] for name in names]
+    sizes = {i: tuple(map(int, name.removeprefix(SIZE_OF).split(":")))
+             for i, name in enumerate(names) if name.startswith(SIZE_OF)}
+    return inputs, sizes
+
+
 class ArtifactCache:
     """Compiled graphs of one model configuration under ``root``."""
 
@@ -73,18 +105,14 @@ class ArtifactCache:
         self.model_key = {**model_key, "torch": torch.__version__, "rung_source": source_hash()}
 
     def key(self, graph_key: dict[str, Any], named: dict[str, torch.Tensor],
-            dynamic: dict[str, tuple[int, ...]] | None = None) -> str:
-        """``dynamic``: name -> the dimensions of that tensor traced symbolic."""
-        dynamic = dynamic or {}
-        payload = {**self.model_key, **graph_key,
-                   "tensors": {n: tensor_signature(t, dynamic.get(n, ()))
-                               for n, t in named.items()}}
-        text = json.dumps(payload, sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:32]
+            dynamic: dict[str, tuple[int, ...]]) -> str:
+        return artifact_key(self.model_key, graph_key, named, dynamic)
 
-    def load(self, key: str, named: dict[str, torch.Tensor]
-             ) -> tuple[Any, list[torch.Tensor], dict[int, tuple[int, int]]] | None:
-        """(artifact, its flat inputs, its size inputs) or None when absent; a corrupt entry
+    def has(self, key: str) -> bool:
+        return (self.root / key / "meta.json").exists()
+
+    def load(self, key: str, named: dict[str, torch.Tensor]) -> tuple[Any, list[str]] | None:
+        """(artifact, the names of its flat inputs) or None when absent; a corrupt entry
         is removed."""
         entry = self.root / key
         if not (entry / "meta.json").exists():
@@ -92,9 +120,7 @@ class ArtifactCache:
         try:
             meta = json.loads((entry / "meta.json").read_text())
             names = meta["input_names"]
-            inputs = [0 if name.startswith(SIZE_OF) else named[name] for name in names]
-            sizes = {i: tuple(map(int, name.removeprefix(SIZE_OF).split(":")))
-                     for i, name in enumerate(names) if name.startswith(SIZE_OF)}
+            bind_inputs(names, named)
             artifact = torch._inductor.CompiledArtifact.load(path=str(entry / "artifact.bin"),
                                                               format="binary")
         except Exception as e:  # noqa: BLE001 - any unreadable entry is rebuilt
@@ -102,20 +128,10 @@ class ArtifactCache:
                            entry, type(e).__name__, e)
             self.discard(key)
             return None
-        return artifact, inputs, sizes
+        return artifact, names
 
-    def save(self, key: str, artifact: Any, inputs: list[torch.Tensor],
-             sizes: dict[int, tuple[int, int]], named: dict[str, torch.Tensor]) -> None:
-        """Write the entry atomically (a rename), naming each flat input."""
-        by_identity: dict[tuple, str] = {}
-        for name, t in named.items():
-            by_identity.setdefault(memory_identity(t), name)
-        names = [by_identity.get(memory_identity(t)) if isinstance(t, torch.Tensor)
-                 else f"{SIZE_OF}{sizes[i][0]}:{sizes[i][1]}" if i in sizes else None
-                 for i, t in enumerate(inputs)]
-        if None in names:
-            logger.warning("compiled graph reads a tensor rung cannot name; not cached")
-            return
+    def save(self, key: str, artifact: Any, names: list[str]) -> None:
+        """Write the entry atomically (a rename) with the names of its flat inputs."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=".tmp-"))
         try:

@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from rung.core.forward_context import get_forward_context
-from rung.graphs.artifact_cache import ArtifactCache
+from rung.graphs.artifact_cache import ArtifactCache, artifact_key, bind_inputs, input_names
 from rung.graphs.capture import CapturedGraph, EmulatedGraphBackend, memory_identity
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class CompiledGraph(CapturedGraph):
         self.load_s = load_s         # seconds to load from the disk cache; None when compiled
         self.seq_lens_index, self.block_tables = _kv_width_inputs(graph_inputs)
         self.sizes = sizes           # int input index -> (tensor input index, its dim)
+        self.artifact_key: str | None = None   # shared by every size traced symbolic
 
     def replay(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
         self.check_inputs(inputs)
@@ -78,7 +79,7 @@ class CompiledGraph(CapturedGraph):
 # block table is never cut below 2 blocks.
 MIN_DYNAMIC_SIZE = 2
 # NOTE: an explicit bound (torch needs one); no block table or KV cache comes near it
-MAX_DYNAMIC_SIZE = 1 << 30
+MAX_DYNAMIC_SIZE = 1 << 20
 
 
 def _kv_width_inputs(graph_inputs: list[torch.Tensor]
@@ -108,11 +109,20 @@ def _kv_width_inputs(graph_inputs: list[torch.Tensor]
 
 
 def _mark_dynamic(named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]]) -> None:
-    """Trace the ``dynamic`` dimensions of the named tensors as symbols (sizes >= 2)."""
+    """Trace the ``dynamic`` dimensions of the named tensors as symbols (sizes >= 2).
+
+    NOTE: leading (batch) dims are tied to each other (query_start_loc holds one more
+    row than seq_lens, a verify batch 1 + k tokens per row), which a range given to each
+    would contradict: they are marked without one, and a size the trace specialised
+    anyway fails the check against eager at its capture.
+    """
     for name, dims in dynamic.items():
         for dim in dims:
-            torch._dynamo.mark_dynamic(named[name], dim, min=MIN_DYNAMIC_SIZE,
-                                       max=MAX_DYNAMIC_SIZE)
+            if dim == 0:
+                torch._dynamo.maybe_mark_dynamic(named[name], dim)
+            else:
+                torch._dynamo.mark_dynamic(named[name], dim, min=MIN_DYNAMIC_SIZE,
+                                           max=MAX_DYNAMIC_SIZE)
 
 
 class TracedGraph:
@@ -188,47 +198,68 @@ class CompiledGraphBackend(EmulatedGraphBackend):
                  poison_hook: Callable[[], None] | None = None) -> None:
         super().__init__(poison_hook)
         self.cache = cache
+        self.artifacts: dict[str, tuple[Any, list[str]]] = {}   # key -> (artifact, input names)
+
+    def key(self, named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]],
+            graph_key: dict[str, Any]) -> str:
+        base = self.cache.model_key if self.cache is not None else {}
+        return artifact_key(base, {**graph_key, "options": INDUCTOR_OPTIONS}, named, dynamic)
+
+    def has_artifact(self, key: str) -> bool:
+        """Built in this process, or in the disk cache (capture then binds, no compile)."""
+        return key in self.artifacts or (self.cache is not None and self.cache.has(key))
 
     def capture_model(self, fn: Callable[..., torch.Tensor], inputs: Sequence,
                       named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]],
-                      graph_key: dict[str, Any]) -> CompiledGraph:
+                      graph_key: dict[str, Any], key: str | None = None) -> CompiledGraph:
         """``fn(*inputs)``: the model's whole forward, attention included. ``named``: every
         tensor the forward may read, by a stable name; ``dynamic``: name -> dims traced
         symbolic; ``graph_key``: what else the traced code depends on (sizes, metadata
-        constants). The disk cache keys an entry on all three."""
-        key = None
-        if self.cache is not None:
-            key = self.cache.key({**graph_key, "options": INDUCTOR_OPTIONS}, named, dynamic)
-            graph = self._load(key, fn, inputs, named)
-            if graph is not None:
-                return graph
+        constants). An artifact is keyed on all three: sizes traced symbolic share one.
+
+        NOTE: an artifact compiled earlier (this process, or the disk cache) is bound to
+        this capture's tensors by name and must reproduce eager on the capture batch
+        before it is used; one that does not is discarded and rebuilt.
+        """
+        key = key or self.key(named, dynamic, graph_key)
         start = time.perf_counter()
+        known = self.artifacts.get(key)
+        if known is None and self.cache is not None:
+            known = self.cache.load(key, named)
+        if known is not None:
+            graph = self._bind(key, *known, fn, inputs, named)
+            if graph is not None:
+                graph.load_s = time.perf_counter() - start
+                return graph
         traced = trace_forward(fn, inputs, named, dynamic)
         artifact = compile_traced(traced)
         compile_s = time.perf_counter() - start
         logger.info("compiled a graph of %d inputs in %.1f s", len(traced.inputs), compile_s)
-        if key is not None:
-            self.cache.save(key, artifact, traced.inputs, traced.sizes, named)
-        return self._finish(CompiledGraph(artifact, inputs, traced.inputs, traced.sizes,
-                                          compile_s, None, self.poison_hook))
+        names = input_names(traced.inputs, traced.sizes, named)
+        if names is None:
+            logger.warning("compiled graph reads a tensor rung cannot name; not shared")
+        else:
+            self.artifacts[key] = (artifact, names)
+            if self.cache is not None:
+                self.cache.save(key, artifact, names)
+        graph = self._finish(CompiledGraph(artifact, inputs, traced.inputs, traced.sizes,
+                                           compile_s, None, self.poison_hook))
+        graph.artifact_key = key
+        return graph
 
-    def _load(self, key: str, fn: Callable[..., torch.Tensor], inputs: Sequence,
-              named: dict[str, torch.Tensor]) -> CompiledGraph | None:
-        start = time.perf_counter()
-        hit = self.cache.load(key, named)
-        if hit is None:
-            return None
-        artifact, graph_inputs, sizes = hit
+    def _bind(self, key: str, artifact: Any, names: list[str], fn: Callable[..., torch.Tensor],
+              inputs: Sequence, named: dict[str, torch.Tensor]) -> CompiledGraph | None:
+        graph_inputs, sizes = bind_inputs(names, named)
         graph = self._finish(CompiledGraph(artifact, inputs, graph_inputs, sizes, None, 0.0,
                                            self.poison_hook))
-        # NOTE: a loaded artifact must reproduce eager on the capture batch before it is
-        # used; one that does not (stale or corrupt) is discarded and rebuilt.
         expected = fn(*inputs)
         if not torch.allclose(graph.outputs, expected, rtol=1e-3, atol=1e-4):
-            logger.warning("cached compiled graph %s disagrees with eager; rebuilding", key)
-            self.cache.discard(key)
+            logger.warning("compiled graph %s disagrees with eager; rebuilding", key)
+            self.artifacts.pop(key, None)
+            if self.cache is not None:
+                self.cache.discard(key)
             return None
-        graph.load_s = time.perf_counter() - start
+        graph.artifact_key = key
         return graph
 
     @staticmethod
