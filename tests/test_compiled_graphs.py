@@ -31,7 +31,8 @@ KWARGS = dict(max_num_seqs=4, max_model_len=64, num_gpu_blocks_override=24)
 def _compiled(model: str, sizes: list[int], cache_dir: str | None = None) -> LLM:
     return LLM(model, compilation_config={"cudagraph_mode": "full_decode_only",
                                           "cudagraph_capture_sizes": sizes,
-                                          "graph_backend": "compiled", "cache_dir": cache_dir},
+                                          "graph_backend": "compiled", "cache_dir": cache_dir,
+                                          "graph_startup": "blocking"},
                **KWARGS)
 
 
@@ -85,7 +86,8 @@ def test_engines_that_differ_in_kv_and_batch_limits_share_the_artifact(tmp_path)
     """The cache key holds what the compiled code depends on: another max_num_seqs,
     max_model_len or KV cache size (a benchmark's --output-len) loads, never recompiles."""
     sizes = {"cudagraph_mode": "full_decode_only", "cudagraph_capture_sizes": [2],
-             "graph_backend": "compiled", "cache_dir": str(tmp_path)}
+             "graph_backend": "compiled", "cache_dir": str(tmp_path),
+             "graph_startup": "blocking"}
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
     first = LLM("tiny-llama", compilation_config=sizes, max_num_seqs=2, max_model_len=64,
@@ -113,7 +115,8 @@ def test_second_start_with_mtp_loads_the_verify_graph(tmp_path):
     engine = dict(speculative_config=spec, max_num_seqs=1, max_model_len=64,
                   num_gpu_blocks_override=24)
     compiled = {"cudagraph_mode": "full_decode_only", "cudagraph_capture_sizes": [4],
-                "graph_backend": "compiled", "cache_dir": str(tmp_path)}
+                "graph_backend": "compiled", "cache_dir": str(tmp_path),
+             "graph_startup": "blocking"}
     prompt = [{"prompt_token_ids": [1, 5, 9, 200, 17]}]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = LLM("tiny-gemma4", enforce_eager=True, **engine).generate(prompt, params)
