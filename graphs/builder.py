@@ -83,9 +83,12 @@ class GraphBuilder:
         if not may_compile and now - self._polled < POLL_INTERVAL_S:
             return None                 # NOTE: a poll stats the cache; not every step
         self._polled = now
-        ready = [k for k in self.pending if self.manager.is_ready(k)]
-        if ready:
-            return ready[0]
+        # NOTE: strictly in build order: a PIECEWISE key is always "ready" but its first
+        # capture traces the whole model on the serving thread, so it waits for the FULL
+        # graphs rather than delaying the first answers
+        key = self.pending[0]
+        if self.manager.is_ready(key):
+            return key
         if self.prefetch is not None and not may_compile:
             status = self.prefetch.poll()
             if status is None:
@@ -95,7 +98,7 @@ class GraphBuilder:
                 logger.warning("background graph compile failed (exit %d): %s; the %d sizes "
                                "not built yet compile on the serving thread, between steps",
                                status, self.prefetch.describe_failure(), len(self.pending))
-        return self.pending[0]
+        return key
 
     def wait(self, timeout: float | None = None) -> bool:
         """Bring every graph live now (compiling here if need be, never twice: artifacts
