@@ -250,8 +250,13 @@ class CompiledGraphBackend(EmulatedGraphBackend):
     def _bind(self, key: str, artifact: Any, names: list[str], fn: Callable[..., torch.Tensor],
               inputs: Sequence, named: dict[str, torch.Tensor]) -> CompiledGraph | None:
         graph_inputs, sizes = bind_inputs(names, named)
-        graph = self._finish(CompiledGraph(artifact, inputs, graph_inputs, sizes, None, 0.0,
-                                           self.poison_hook))
+        try:
+            graph = self._finish(CompiledGraph(artifact, inputs, graph_inputs, sizes, None,
+                                               0.0, self.poison_hook))
+        except Exception as e:  # noqa: BLE001 - e.g. a dim the trace specialised after all
+            logger.warning("compiled graph %s does not run at this size (%s: %s); compiling "
+                           "one for it", key, type(e).__name__, str(e).splitlines()[0])
+            return None
         expected = fn(*inputs)
         if not torch.allclose(graph.outputs, expected, rtol=1e-3, atol=1e-4):
             logger.warning("compiled graph %s disagrees with eager; rebuilding", key)
