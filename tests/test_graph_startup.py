@@ -3,7 +3,6 @@ live one at a time between steps; tokens never change across the eager -> graph 
 
 import pytest
 
-import rung.graphs.compiled as compiled_graphs
 from rung.runtime import LLM, SamplingParams
 
 KWARGS = dict(max_num_seqs=4, max_model_len=64, num_gpu_blocks_override=32)
@@ -51,8 +50,11 @@ def test_graph_startup_is_checked():
 @pytest.mark.slow
 def test_compiled_graphs_build_in_a_subprocess_while_eager_serves(tmp_path, monkeypatch):
     """The CPU default: artifacts compile in a subprocess into the disk cache; the serving
-    engine binds each one (checked against eager) between steps."""
-    monkeypatch.setattr(compiled_graphs, "INDUCTOR_OPTIONS", {})
+    engine binds each one (checked against eager) between steps.
+
+    NOTE: the subprocess compiles with the default INDUCTOR_OPTIONS (part of the key), so
+    this test cannot switch to the faster Python wrapper as other compiled tests do.
+    """
     monkeypatch.setenv("RUNG_GRAPH_BACKEND", "compiled")
     want = _tokens(LLM("tiny-llama", enforce_eager=True, **KWARGS))
     llm = LLM("tiny-llama", compilation_config={"cudagraph_mode": "full_decode_only",
@@ -61,7 +63,7 @@ def test_compiled_graphs_build_in_a_subprocess_while_eager_serves(tmp_path, monk
     assert llm.engine.graph_builder.prefetch is not None
     assert llm.engine.stats()["graphs"]["live"] == []
     assert _tokens(llm) == want                       # eager while the subprocess compiles
-    assert llm.wait_for_graphs(timeout=600)
+    assert llm.wait_for_graphs(timeout=1500)
     records = llm.engine.runner.graphs.records
     # every size bound an artifact the subprocess built; sizes >= 2 share one
     assert all(r.compile_s is None and r.load_s is not None for r in records), records
