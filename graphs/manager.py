@@ -269,6 +269,11 @@ class GraphManager:
         if desc.mode == CUDAGraphMode.FULL:
             return self.replay(TARGET, self.dispatcher.graph_key(desc),
                                self._full_inputs(ids, positions, get_forward_context()))
+        if desc.mode == CUDAGraphMode.NONE:
+            # NOTE: the model itself, not the torch.compile wrapper of the pieces: its first
+            # call traces the whole model, which must not delay an eager step (background
+            # start-up serves eagerly before any graph is live)
+            return self.runner.model(ids, positions)
         return self._forward_fn(ids, positions)
 
     def _poison_pads(self) -> None:
