@@ -72,6 +72,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                    help="largest batch (in tokens) that gets a graph; larger ones run "
                         "eagerly (default: 512)")
+    p.add_argument("--graph-startup", default=None, choices=["auto", "background", "blocking"],
+                   help="background: answer at once, eagerly, while graphs are built and "
+                        "go live one by one; blocking: build every graph first (default: "
+                        "background for generate, blocking for warmup, verify and bench)")
     p.add_argument("--compile-backend", default="eager", choices=["eager", "inductor"],
                    help="how the graph pieces are compiled")
     p.add_argument("--attention-backend", default="auto",
@@ -125,7 +129,8 @@ def _speculative_config(args: argparse.Namespace) -> dict | None:
 def build_llm(args: argparse.Namespace, capture_progress: Callable | None = None) -> LLM:
     from rung.runtime.llm import LLM
 
-    compilation: dict = {"backend": args.compile_backend}
+    compilation: dict = {"backend": args.compile_backend,
+                         "graph_startup": getattr(args, "graph_startup", None) or "auto"}
     if args.mode:
         compilation["cudagraph_mode"] = args.mode
     if args.capture_sizes:
@@ -269,6 +274,7 @@ def generate_report(rank: int | None, args: argparse.Namespace) -> str:
         outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     stats = llm.engine.stats()
+    graphs = stats["graphs"]
     dp = stats.get("data_parallel")
     lines: list[str] = []
     if dp is None or dp["rank"] == 0:
@@ -283,6 +289,10 @@ def generate_report(rank: int | None, args: argparse.Namespace) -> str:
                     lines.append(f"error: {c.error}")
         lines.append(f"{num_tokens} tokens in {elapsed:.2f} s: "
                      f"{num_tokens / elapsed:.1f} tokens/s")
+    if graphs["pending"]:
+        lines.append(f"graphs live: {len(graphs['live'])} of "
+                     f"{len(graphs['live']) + len(graphs['pending'])} (the others were still "
+                     f"building; {stats['eager_steps']} steps ran eagerly)")
     spec = stats.get("spec")
     if spec:
         lines.append(f"speculative: acceptance rate {spec['acceptance_rate']:.2f}, "
@@ -304,6 +314,7 @@ def _add_warmup(sub: Any) -> None:
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
+    args.graph_startup = args.graph_startup or "blocking"   # measures live graphs
     from rung.runtime.warmup import run_warmup
 
     check_output_path(args.json, "--json")
@@ -324,6 +335,7 @@ def _add_verify(sub: Any) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    args.graph_startup = args.graph_startup or "blocking"   # measures live graphs
     if args.data_parallel_size > 1:
         raise ValueError("verify runs one process: drop --data-parallel-size "
                          f"{args.data_parallel_size}")
@@ -363,6 +375,7 @@ def _add_bench(sub: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    args.graph_startup = args.graph_startup or "blocking"   # measures live graphs
     if args.baseline == "hf" and not _importable("transformers"):
         raise ValueError("--baseline hf needs transformers: pip install 'rung[test]'")
     check_output_path(args.json, "--json")

@@ -14,7 +14,8 @@ from tqdm import tqdm
 
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.graph_mode import CUDAGraphMode
-from rung.graphs.capture import resolve_graph_backend
+from rung.graphs.backends import resolve_graph_backend
+from rung.graphs.builder import GraphBuilder
 from rung.graphs.ladder import capture_sizes
 from rung.graphs.manager import TARGET, CaptureRecord, GraphManager, artifact_cache
 from rung.kernels.triton.variants import KERNEL_VARIANTS
@@ -92,10 +93,11 @@ class LLMEngine:
             # NOTE: before capture: capture runs the model's collectives on every rank
             self.dp.check_same_config(self._dp_fingerprint())
             self._shard_experts()
-        self._prompt_logprobs: dict[str, list] = {}    # request id -> prompt_logprobs so far
+        self._prompt_logprobs: dict[RequestId, list] = {}   # request id -> prompt_logprobs so far
         self._parents: dict[RequestId, ParentRequest] = {}
         self._child_index: dict[RequestId, tuple[ParentRequest, int]] = {}
         self._requeued: list[RequestOutput] = []     # returned first by the next step()
+        self.graph_builder: GraphBuilder | None = None
         if config.enforce_eager:
             logger.info("enforce_eager: no graphs, every step runs eagerly")
         else:
@@ -120,31 +122,67 @@ class LLMEngine:
                         ) -> None:
         graphs = make_graph_manager(self.runner, self.config)
         self.runner.use_graphs(graphs)
-        total = graphs.num_graphs_to_capture
         sizes = graphs.dispatcher.sizes
         logger.info("cudagraph mode %s, %s graphs: %d capture sizes %s", graphs.mode.name,
                     graphs.capture_backend.name, len(sizes), _short(sizes))
-        start = time.perf_counter()
-        bar = tqdm(total=total, desc="Capturing graphs", unit="graph", leave=False,
-                   file=sys.stderr, disable=total == 0 or not logger.isEnabledFor(logging.INFO))
+        total = graphs.num_graphs_to_capture
+        self._graph_bar = tqdm(total=total, desc="Graphs live", unit="graph", leave=False,
+                               file=sys.stderr,
+                               disable=total == 0 or not logger.isEnabledFor(logging.INFO))
 
         def progress(record: CaptureRecord) -> None:
-            bar.update(1)
+            self._graph_bar.update(1)
             if capture_progress is not None:
                 capture_progress(record)
 
-        try:
-            graphs.capture_all(progress)
-            if self.proposer is not None:
-                self.proposer.capture_all(graphs, progress)
-        finally:
-            bar.close()
+        after = None
+        if self.proposer is not None:
+            after = functools.partial(self.proposer.capture_all, graphs, progress)
+        background = self._graph_startup(graphs) == "background"
+        prefetch = None
+        if background and getattr(graphs.capture_backend, "cache", None) is not None:
+            from rung.runtime.warmup import start_prefetch
+
+            prefetch = start_prefetch(self.config, self.max_model_len)
+        self.graph_builder = GraphBuilder(graphs, after, progress, prefetch)
+        if background:
+            logger.info("serving eagerly from the first step; %d graphs go live as they are "
+                        "built (%s); llm.wait_for_graphs() waits for them", total,
+                        "compiling in a subprocess" if prefetch else "between steps")
+            return
+        start = time.perf_counter()
+        self.wait_for_graphs()
         draft = [r for r in graphs.records if r.graph != TARGET]
         logger.info("captured %d graphs%s in %.1f s (one-time tracing %.1f s), %.1f MiB",
                     len(graphs.records) - len(draft),
                     f" + {len(draft)} draft graphs" if draft else "",
                     time.perf_counter() - start, graphs.trace_seconds,
                     graphs.pool_bytes / 2**20)
+
+    def _graph_startup(self, graphs: GraphManager) -> str:
+        startup = self.config.compilation.graph_startup
+        if startup != "auto":
+            return startup
+        if self.dp is not None or graphs.capture_backend.name == "emulated":
+            return "blocking"
+        return "background"
+
+    def wait_for_graphs(self, timeout: float | None = None) -> bool:
+        """Bring every graph live now (at most ``timeout`` seconds); True when all are."""
+        if self.graph_builder is None:
+            return True
+        done = self.graph_builder.wait(timeout)
+        if done:
+            self._graph_bar.close()
+        return done
+
+    def _advance_graphs(self) -> None:
+        """Between two steps: at most one more graph goes live (see GraphBuilder)."""
+        builder = self.graph_builder
+        if builder is not None and not builder.done:
+            builder.advance()
+            if builder.done:
+                self._graph_bar.close()
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, request_id: RequestId, prompt: Prompt,
@@ -346,6 +384,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         """schedule -> (data parallel: sync) -> execute (descriptor, metadata, forward,
         sample) -> update -> draft."""
+        self._advance_graphs()
         sched = self.scheduler.schedule()
         outputs = [self._finish(req, "error", self._never_fits(req)) for req in sched.errored]
         self._stats["preemptions"] += len(sched.preempted)
@@ -522,6 +561,8 @@ class LLMEngine:
              "eager_steps": self._stats["eager_steps"],
              "graphs_captured": (len(self.runner.graphs.records)
                                  if self.runner.graphs is not None else 0),
+             "graphs": (self.graph_builder.status() if self.graph_builder is not None
+                        else {"live": [], "pending": [], "done": True}),
              "graph_replays": dict(self.graph_replays),
              "preemptions": self._stats["preemptions"],
              "num_running": len(self.scheduler.running),

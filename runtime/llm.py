@@ -71,6 +71,12 @@ class LLM:
             config.debug_padding = debug_padding
         self.engine = LLMEngine(config, capture_progress)
 
+    def wait_for_graphs(self, timeout: float | None = None) -> bool:
+        """Block until every graph on the ladder is live (at most ``timeout`` seconds);
+        True when they all are. Until then batches of a size without its graph run eagerly,
+        with the same tokens."""
+        return self.engine.wait_for_graphs(timeout)
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -151,13 +151,13 @@ class MtpProposer(Proposer):
         self.dispatcher = Dispatcher(CUDAGraphMode.FULL_DECODE_ONLY, sizes,
                                      self.runner.max_num_reqs)
         with torch.inference_mode():
-            for size in reversed(sizes):
-                desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, 0, size, 0, size)
-                self.batch.fill([], self._target_block_tables(), desc)
-                with forward_context(self._context(desc)):
-                    graphs.capture_graph(_DRAFT, desc, self._draft_rounds,
-                                         self.batch.graph_inputs(desc), self._poison_pads,
+            for key in self.dispatcher.capture_descriptors():
+                self.batch.fill([], self._target_block_tables(), key)
+                with forward_context(self._context(key)):
+                    graphs.capture_graph(_DRAFT, key, self._draft_rounds,
+                                         self.batch.graph_inputs(key), self._poison_pads,
                                          progress)
+                self.dispatcher.go_live(key)
 
     def _poison_pads(self, desc: BatchExecutionDescriptor, generator: torch.Generator) -> None:
         self.batch.poison_pads(desc, generator, self.runner.vocab_size,
@@ -199,7 +199,8 @@ class MtpProposer(Proposer):
         inputs = self.batch.graph_inputs(draft_desc)
         with forward_context(self._context(draft_desc)):
             if draft_desc.mode == CUDAGraphMode.FULL:
-                return self.graphs.replay(_DRAFT, draft_desc, inputs)
+                return self.graphs.replay(_DRAFT, self.dispatcher.graph_key(draft_desc),
+                                          inputs)
             return self._draft_rounds(*inputs)
 
     def _gather_hidden(self, reqs: list[Request], result: ModelRunnerOutput | None,
