@@ -136,3 +136,11 @@ def test_gpu_memory_utilization_sizes_the_kv_cache():
     # a sliver of RAM: the floor of one sequence at max_model_len
     tiny = LLM("tiny-llama", gpu_memory_utilization=1e-12, **args).engine.stats()
     assert tiny["kv_total_blocks"] == 64 // 16
+
+
+def test_capture_sizes_below_the_largest_batch_warn_which_batches_run_eagerly(caplog):
+    with caplog.at_level("WARNING", logger="rung.runtime.engine"):
+        LLM("tiny-llama", max_num_seqs=16, max_model_len=32,
+            compilation_config={"cudagraph_capture_sizes": [1, 2],
+                                "cudagraph_mode": "full_decode_only"})
+    assert "batches of 3 to 16 tokens (max_num_seqs=16 x 1) run eagerly" in caplog.text
