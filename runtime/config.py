@@ -150,6 +150,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     num_gpu_blocks_override: int | None = None
+    # share of free device memory (CUDA) or of RAM (CPU) for the KV cache; None -> half
+    # the free device memory, 2 GiB on CPU
+    gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
     compilation: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
     attention_backend: str = "auto"
@@ -179,6 +182,10 @@ class EngineConfig:
                                                or self.max_model_len < 1):
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer "
                              "(or None for the model's own maximum)")
+        share = self.gpu_memory_utilization
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                                  or not 0 < share <= 1):
+            raise ValueError(f"gpu_memory_utilization={share!r} must be a number in (0, 1]")
         if not _is_int(self.seed):
             raise ValueError(f"seed={self.seed!r} must be an integer")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import functools
 import logging
@@ -49,17 +50,35 @@ def make_graph_manager(runner: ModelRunner, config: EngineConfig) -> GraphManage
                           comp.max_cudagraph_capture_size, short=runner.device.type == "cpu")
     compiled = resolve_graph_backend(comp.graph_backend, runner.device) == "compiled"
     cache = artifact_cache(runner, config) if compiled else None
+    _warn_if_batches_run_eagerly(sizes, config)
     return GraphManager(runner, comp.cudagraph_mode, sizes, 1 + config.num_spec_tokens,
                         comp.backend, comp.graph_backend, config.debug_padding, cache)
+
+
+def _warn_if_batches_run_eagerly(sizes: list[int], config: EngineConfig) -> None:
+    """User-given capture sizes below the largest batch the scheduler builds: say which
+    batches run eagerly (the default ladder says so itself)."""
+    if config.compilation.cudagraph_capture_sizes is None or not sizes:
+        return
+    step = 1 + config.num_spec_tokens
+    schedulable = min(config.max_num_seqs * step, config.max_num_batched_tokens)
+    if max(sizes) < schedulable:
+        logger.warning("cudagraph capture sizes %s stop at %d tokens: batches of %d to %d "
+                       "tokens (max_num_seqs=%d x %d) run eagerly", sizes, max(sizes),
+                       max(sizes) + 1, schedulable, config.max_num_seqs, step)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig,
                  capture_progress: Callable[[CaptureRecord], None] | None = None) -> None:
         configure_logging()
-        self.config = config
+        # NOTE: the engine's own copy: it settles fields (the data-parallel device) and
+        # reads others every step; the caller's object is never written nor read again
+        self.config = config = copy.deepcopy(config)
         self.dp: DataParallelGroup | None = None
         self.all_ranks_idle = False      # data parallel: the last step's sync found no work
+        self.num_finished_outputs = 0    # finished outputs step() has returned
+        self.dp_num_finished = 0         # data parallel: the same, all ranks, at the last sync
         if config.data_parallel_size > 1:
             self.dp, config.device = init_data_parallel(
                 config.data_parallel_size, config.device, config.data_parallel_timeout_s)
@@ -336,8 +355,10 @@ class LLMEngine:
                   if graphs is not None and graphs.mode != CUDAGraphMode.NONE else no_graph)
         drafts = getattr(self.proposer, "dispatcher", None)
         step = self.dp.sync(sched.num_reqs, sched.num_tokens, self.scheduler.has_unfinished(),
-                            padded, drafts.padded_size if drafts is not None else None)
+                            padded, drafts.padded_size if drafts is not None else None,
+                            self.num_finished_outputs)
         self.all_ranks_idle = step.all_idle
+        self.dp_num_finished = sum(step.num_finished)
         return step
 
     def _dummy_step(self, step: DPStep) -> None:
@@ -362,12 +383,14 @@ class LLMEngine:
             outputs = [g for g in map(self._gather, outputs) if g is not None]
         if self._requeued:
             outputs, self._requeued = self._requeued + outputs, []
+        self.num_finished_outputs += sum(out.finished for out in outputs)
         return outputs
 
     def requeue_outputs(self, outputs: list[RequestOutput]) -> None:
         """Outputs a caller took from ``step()`` but does not own (``LLM.generate`` stepping
         beside requests added directly): the next ``step()`` returns them first, in order."""
         self._requeued += outputs
+        self.num_finished_outputs -= sum(out.finished for out in outputs)   # counted again
 
     def _gather(self, out: RequestOutput) -> RequestOutput | None:
         """A child of an ``n > 1`` request reports as its parent."""
@@ -461,10 +484,13 @@ class LLMEngine:
             self.graph_replays[f"{desc.mode.name}:{desc.num_tokens_padded}"] += 1
 
     def _never_fits(self, req: Request) -> str:
-        return (f"request {req.request_id!r} needs KV cache for {req.num_tokens} tokens but "
-                f"the whole cache holds {self.kv.num_total_blocks} blocks of "
-                f"{self.config.block_size} tokens: it can never run (shorten the prompt or "
-                "give the KV cache more blocks)")
+        """Why ``req`` failed: alone in the KV cache, it still did not fit."""
+        why = f"request {req.request_id!r}: {self.kv.shortage(req.num_tokens)}"
+        if req.num_output_tokens == 0:
+            return (f"{why}: it can never run (shorten the prompt or give the KV cache more "
+                    "blocks)")
+        return (f"{why}: it ran out of KV cache after {req.num_output_tokens} output tokens "
+                "(lower max_tokens or give the KV cache more blocks)")
 
     def _output_after(self, req: Request, tokens: list[int], logprobs: list | None,
                       reason: str | None) -> RequestOutput | None:
@@ -578,7 +604,9 @@ class LLMEngine:
         return s
 
     def _kv_stats(self) -> dict[str, Any]:
-        """Cached-free blocks are among the free ones (they are evictable), so
+        """Counts per KV cache group (every group has a pool of kv_total_blocks; free and
+        used are those of the fullest group; kv_groups has each): cached-free blocks are
+        among the free ones (they are evictable), so
         kv_free_blocks + kv_used_blocks == kv_total_blocks."""
         kv, prefix = self.kv, self.kv.prefix_stats
         held = [0] * len(kv.groups)
@@ -587,6 +615,7 @@ class LLMEngine:
         return {"kv_cached_free_blocks": kv.num_cached_free_blocks,
                 "kv_used_blocks": kv.num_used_blocks,
                 "kv_blocks_held_per_group": held,
+                "kv_groups": kv.group_stats(),
                 "prefix_cache": {"enabled": kv.enable_prefix_caching,
                                  "queries": prefix.num_requests,
                                  "query_tokens": prefix.num_query_tokens,

@@ -96,6 +96,7 @@ class MtpProposer(Proposer):
         self.graphs: GraphManager | None = None      # the target's, once drafts are captured
         # one query per request: FULL on the draft ladder, eager above it (or without graphs)
         self.dispatcher = Dispatcher(CUDAGraphMode.NONE, [], runner.max_num_reqs)
+        self.captured: list[BatchExecutionDescriptor] = []   # draft graphs, by descriptor
         self.graph_replays: collections.Counter = collections.Counter()   # "MODE:rows" -> steps
         self._poison_rng = np.random.default_rng(config.seed + 7)
 
@@ -150,14 +151,18 @@ class MtpProposer(Proposer):
                                     short=self.runner.device.type == "cpu")
         self.dispatcher = Dispatcher(CUDAGraphMode.FULL_DECODE_ONLY, sizes,
                                      self.runner.max_num_reqs)
+        # NOTE: captured under the very descriptors dispatch() returns for a draft step
+        # (FULL, one query per request, uniform_query_len 1), so replay finds its graph by
+        # the drafter's own descriptor, whatever the target's decode query length.
+        self.captured = self.dispatcher.capture_descriptors()
         with torch.inference_mode():
-            for key in self.dispatcher.capture_descriptors():
-                self.batch.fill([], self._target_block_tables(), key)
-                with forward_context(self._context(key)):
-                    graphs.capture_graph(_DRAFT, key, self._draft_rounds,
-                                         self.batch.graph_inputs(key), self._poison_pads,
+            for desc in self.captured:
+                self.batch.fill([], self._target_block_tables(), desc)
+                with forward_context(self._context(desc)):
+                    graphs.capture_graph(_DRAFT, desc, self._draft_rounds,
+                                         self.batch.graph_inputs(desc), self._poison_pads,
                                          progress)
-                self.dispatcher.go_live(key)
+                self.dispatcher.go_live(desc)
 
     def _poison_pads(self, desc: BatchExecutionDescriptor, generator: torch.Generator) -> None:
         self.batch.poison_pads(desc, generator, self.runner.vocab_size,

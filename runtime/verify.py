@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -118,9 +119,12 @@ def guard_kv(runner: Any) -> None:
     """Fail a step that writes a KV slot outside its real tokens' slots (null block aside)."""
     execute = runner.execute
 
-    def checked(sched, block_ids):
+    @functools.wraps(execute)
+    def checked(sched, block_ids, *args, **kwargs):
+        # NOTE: the runner's whole signature passes through (data parallel adds
+        # num_tokens_across_dp)
         before = {name: cache.clone() for name, cache in runner.kv_caches.items()}
-        out = execute(sched, block_ids)
+        out = execute(sched, block_ids, *args, **kwargs)
         num_tokens = out.desc.num_tokens
         for group in runner.kv_groups:
             slots = torch.from_numpy(
