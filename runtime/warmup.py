@@ -53,7 +53,9 @@ def _table(records: list[dict], draft_records: list[dict], sizes: list[int],
             f"{'memory_kib':>11} {'kernel_nodes':>12} {'compile_s':>9} {'load_s':>6}")
     rows = [head, "-" * len(head)]
     serves = served_ranges(sizes)
-    for r in records:
+    # NOTE: graphs go live smallest first; the table lists each mode largest first
+    modes = list(dict.fromkeys(r["mode"] for r in records))
+    for r in sorted(records, key=lambda r: (modes.index(r["mode"]), -r["num_tokens_padded"])):
         size = r["num_tokens_padded"]
         reqs = "-" if r["mode"] == CUDAGraphMode.PIECEWISE.name else str(r["num_reqs_padded"])
         rows.append(_row(r["mode"], str(size), reqs, serves.get(size, "?"), r))

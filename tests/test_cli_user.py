@@ -97,7 +97,7 @@ def folders(tmp_path_factory) -> dict[str, str]:
 
 # --- 3, 4, 5, 6: bad input gets one line, before the expensive work ----------------------------
 def test_bad_input_gets_one_line_each(folders, tmp_path):
-    no_capture = ["Capturing graphs"]
+    no_capture = ["Graphs live"]
     cases = [
         # 3: speculative flags
         {"argv": _gen("--num-speculative-tokens", "3"), "rc": 2,
@@ -164,7 +164,7 @@ def test_start_up_says_what_it_decided_and_shows_capture_progress():
     assert "model tiny-llama (llama, random weights): float32 on cpu, max_model_len 64" in err
     assert re.search(r"attention backend \w+; KV cache: \d+ blocks of 16 tokens", err)
     assert "cudagraph mode FULL_AND_PIECEWISE, emulated graphs: 2 capture sizes [1, 2]" in err
-    assert "Capturing graphs" in err and "/4" in err            # a bar with its total
+    assert "Graphs live" in err and "/4" in err                 # a bar with its total
     assert re.search(r"captured 4 graphs in [\d.]+ s \(one-time tracing [\d.]+ s\), "
                      r"[\d.]+ MiB", err)
     assert "Processed prompts" in err                            # generate's bar
