@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 from rung.bench.latency import _engine_namespace, make_plan
 from rung.bench.stats import percentiles_ms
-from rung.runtime.data_parallel import DPStats, route_requests, spawn_ranks
-from rung.runtime.llm import LLM
+from rung.runtime.api.llm import LLM
+from rung.runtime.dist.data_parallel import DPStats, route_requests, spawn_ranks
 from rung.runtime.sampling_params import SamplingParams
 
 _COLUMNS = ("mode", "num_reqs", "rank", "rank_num_reqs", "steps", "dummy_steps",

@@ -7,16 +7,26 @@ do so, then whether the graph keeps to the layering and has no cycle. Every impo
 including those under ``if TYPE_CHECKING:`` and inside functions: a type-only import of a
 higher layer is still a dependency a reader has to hold in mind.
 
-The layering (each package may import only the packages listed for it):
+The layering (each node may import only the nodes listed for it):
 
     core     -> (nothing)            descriptor, graph modes, KV cache spec, metadata, context
     kernels  -> core                 attention backends and kernels
     models   -> kernels, core        model definitions and weight loading
     graphs   -> kernels, core        ladder, dispatcher, capture, compiler, graph manager
     runtime  -> graphs, models, kernels, core
+                                     runtime/*.py: what every room shares (config, sampling
+                                     params, outputs, detokenizer, logging); runtime/ROOM/
+                                     and runtime/engine.py are nodes of their own:
+      runtime/sched  -> runtime, core           scheduler, KV cache manager, requests
+      runtime/dist   -> runtime, core           data parallel groups, collectives
+      runtime/worker -> runtime/sched and below model runner, input batch, samplers
+      runtime/spec   -> runtime/worker and below  n-gram and MTP proposers
+      runtime/engine -> runtime/spec, runtime/worker, runtime/sched, runtime/dist and below
+      runtime/api    -> runtime/engine, runtime/dist, runtime, models, core   LLM
+      runtime/tools  -> runtime/api, runtime/engine and below    verify, warmup
     bench    -> runtime and below    tools and benchmarks, never imported by the library
-    cli      -> anything             runtime/cli.py, the `rung` console entry point: the one
-                                     module above bench (`rung bench` runs bench/latency.py)
+    cli      -> anything             cli/, the `rung` console entry point: the one package
+                                     above bench (`rung bench` runs bench/latency.py)
 
 models and graphs are siblings: a model never knows whether it is captured, and the graph
 machinery sees a model only as an ``nn.Module``.
@@ -30,24 +40,38 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("core", "kernels", "models", "graphs", "runtime", "bench")
-NODES = PACKAGES + ("cli",)
-ENTRY_POINTS = {"runtime/cli.py": "cli"}      # modules that are a node of their own
+PACKAGES = ("core", "kernels", "models", "graphs", "runtime", "bench", "cli")
+ROOMS = ("sched", "dist", "worker", "spec", "engine", "api", "tools")   # runtime/ROOM/
+_BELOW_WORKER = {"runtime", "graphs", "models", "kernels", "core"}
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
     "kernels": {"core"},
     "models": {"kernels", "core"},
     "graphs": {"kernels", "core"},
     "runtime": {"graphs", "models", "kernels", "core"},
-    "bench": {"runtime", "graphs", "models", "kernels", "core"},
-    "cli": {"bench", "runtime", "graphs", "models", "kernels", "core"},
+    "runtime/sched": {"runtime", "core"},
+    "runtime/dist": {"runtime", "core"},
+    "runtime/worker": {"runtime/sched"} | _BELOW_WORKER,
+    "runtime/spec": {"runtime/worker", "runtime/sched"} | _BELOW_WORKER,
+    "runtime/engine": {"runtime/spec", "runtime/worker", "runtime/sched", "runtime/dist"}
+    | _BELOW_WORKER,
+    "runtime/api": {"runtime/engine", "runtime/dist", "runtime", "models", "core"},
+    "runtime/tools": {"runtime/api", "runtime/engine"} | _BELOW_WORKER,
 }
+ALLOWED["bench"] = {n for n in ALLOWED if n.startswith("runtime")} | _BELOW_WORKER
+ALLOWED["cli"] = set(ALLOWED) - {"cli"}
+NODES = tuple(ALLOWED)
 
 Edge = tuple[str, str, str]          # (importing node, imported node, "file imports module")
 
 
 def _node(path: str) -> str:
-    return ENTRY_POINTS.get(path, path.split("/")[0])
+    """runtime/api/llm.py -> 'runtime/api', runtime/engine.py -> 'runtime/engine',
+    runtime/config.py -> 'runtime', graphs/manager.py -> 'graphs'."""
+    parts = path.removesuffix(".py").split("/")
+    if parts[0] == "runtime" and len(parts) > 1 and parts[1] in ROOMS:
+        return f"runtime/{parts[1]}"
+    return parts[0]
 
 
 def _imported_modules(tree: ast.AST) -> list[str]:
@@ -119,7 +143,7 @@ def main(argv: list[str]) -> int:
     graph = package_graph(edges)
     for package in NODES:
         targets = ", ".join(f"{t} ({n})" for t, n in sorted(graph[package].items()))
-        print(f"{package:<8} -> {targets or '(nothing)'}")
+        print(f"{package:<14} -> {targets or '(nothing)'}")
     cycle = find_cycle(graph)
     bad = violations(edges)
     print("cycle: " + (" -> ".join(cycle) if cycle else "none"))

@@ -29,8 +29,8 @@ from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.graph_mode import CUDAGraphMode
 from rung.models.gguf import is_gguf
 from rung.models.loader import resolve_model_path
+from rung.runtime.api.llm import LLM
 from rung.runtime.engine import LLMEngine
-from rung.runtime.llm import LLM
 from rung.runtime.sampling_params import SamplingParams
 
 # --modes name -> cudagraph_mode policy (None: enforce_eager).

@@ -14,7 +14,7 @@ import torch
 from helpers import random_prompts
 
 from rung.runtime import LLM, SamplingParams
-from rung.runtime.data_parallel import route_requests, spawn_ranks
+from rung.runtime.dist.data_parallel import route_requests, spawn_ranks
 
 WORLD = 2
 TIMEOUT_S = 900
@@ -195,7 +195,7 @@ def test_dp_table_shows_padding_per_rank():
 
 @pytest.mark.slow
 def test_cli_bench_latency_spawns_ranks(capsys):
-    from rung.runtime.cli import main
+    from rung.cli.main import main
 
     assert main(["bench", "latency", "--model", "tiny-llama", "--data-parallel-size", "2",
                  "--batch-sizes", "1,3", "--modes", "none", "--input-len", "4",

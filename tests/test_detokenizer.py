@@ -201,7 +201,7 @@ def test_delta_stream_of_n_samples(llm):
 def test_outputs_gathered_across_ranks_carry_their_text(llm):
     import pickle
 
-    from rung.runtime.llm import _with_text
+    from rung.runtime.api.llm import _with_text
 
     out = llm.generate("Hi", SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0]
     copy = pickle.loads(pickle.dumps(_with_text(out)))

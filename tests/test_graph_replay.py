@@ -9,14 +9,14 @@ import logging
 import pytest
 import torch
 
+from rung.cli.main import main as cli_main
 from rung.core.graph_mode import GraphSupport
 from rung.kernels import selector
 from rung.kernels.torch_backend import TorchBackend
 from rung.runtime import LLM, SamplingParams
-from rung.runtime.cli import main as cli_main
-from rung.runtime.input_batch import InputBatch
-from rung.runtime.kv_cache_manager import NULL_BLOCK
-from rung.runtime.verify import guard_kv, verify_engine
+from rung.runtime.sched.kv_cache_manager import NULL_BLOCK
+from rung.runtime.tools.verify import guard_kv, verify_engine
+from rung.runtime.worker.input_batch import InputBatch
 
 SIZES = [1, 2, 4, 8]
 ENGINE = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 96,

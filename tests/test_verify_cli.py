@@ -2,8 +2,8 @@
 
 import json
 
-from rung.runtime.cli import main
-from rung.runtime.input_batch import InputBatch
+from rung.cli.main import main
+from rung.runtime.worker.input_batch import InputBatch
 
 ARGS = ["verify", "--model", "tiny-llama", "--max-num-seqs", "2", "--max-model-len", "64",
         "--mode", "full"]
@@ -52,7 +52,7 @@ def test_verify_runs_at_the_ramps_max_model_len(capsys):
 
 def test_ramp_never_runs_a_request_out_of_positions():
     from rung.runtime import LLM
-    from rung.runtime.verify import drive, ramp, ramp_max_model_len
+    from rung.runtime.tools.verify import drive, ramp, ramp_max_model_len
 
     num_reqs, k = 3, 2
     max_model_len = ramp_max_model_len(num_reqs, k, 16)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from rung.runtime.request import Request
-from rung.runtime.sampler import apply_min_tokens, sampling_probs
+from rung.runtime.sched.request import Request
+from rung.runtime.worker.sampler import apply_min_tokens, sampling_probs
 
 
 def mask_min_tokens(logits: torch.Tensor, req: Request) -> torch.Tensor:

@@ -21,12 +21,12 @@ from rung.graphs.dispatcher import Dispatcher
 from rung.graphs.ladder import draft_capture_sizes
 from rung.graphs.manager import CaptureRecord, GraphManager
 from rung.models.loader import DRAFT_WEIGHT_SEED, load_model
-from rung.runtime.attention_groups import build_attention_groups, build_layer_metadata
 from rung.runtime.config import EngineConfig
-from rung.runtime.input_batch import PaddedBatch
-from rung.runtime.model_runner import ModelRunner, ModelRunnerOutput, find_attention_layers
-from rung.runtime.request import Request
-from rung.runtime.spec_decode import Proposer, check_draft_rows
+from rung.runtime.sched.request import Request
+from rung.runtime.spec.proposer import Proposer, check_draft_rows
+from rung.runtime.worker.attention_groups import build_attention_groups, build_layer_metadata
+from rung.runtime.worker.input_batch import PaddedBatch
+from rung.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput, find_attention_layers
 
 _DRAFT = "draft"           # the drafter's graphs in the graph manager (records: DRAFT_FULL)
 

@@ -17,14 +17,14 @@ from rung.kernels.attention import Attention
 from rung.kernels.backend import AttentionBackend, kv_cache_shape
 from rung.kernels.selector import select_backend
 from rung.models.loader import LoadedModel
-from rung.runtime.attention_groups import build_attention_groups, build_layer_metadata
 from rung.runtime.config import EngineConfig
-from rung.runtime.input_batch import BatchLayout, InputBatch
 from rung.runtime.outputs import Logprob
-from rung.runtime.rejection_sampler import rejection_sample
-from rung.runtime.request import Request
-from rung.runtime.sampler import Sampler, token_logprobs
-from rung.runtime.scheduler import SchedulerOutput
+from rung.runtime.sched.request import Request
+from rung.runtime.sched.scheduler import SchedulerOutput
+from rung.runtime.worker.attention_groups import build_attention_groups, build_layer_metadata
+from rung.runtime.worker.input_batch import BatchLayout, InputBatch
+from rung.runtime.worker.rejection_sampler import rejection_sample
+from rung.runtime.worker.sampler import Sampler, token_logprobs
 
 if TYPE_CHECKING:
     from rung.graphs.manager import GraphManager

@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from rung.runtime.llm import LLM
+    from rung.runtime.api.llm import LLM
 
 VERSION = "0.1.0"      # NOTE: kept equal to pyproject.toml's version (a test checks)
 _SPEC_METHODS = ("none", "mtp", "ngram")
@@ -119,7 +119,7 @@ def _speculative_config(args: argparse.Namespace) -> dict | None:
 
 
 def build_llm(args: argparse.Namespace, capture_progress: Callable | None = None) -> LLM:
-    from rung.runtime.llm import LLM
+    from rung.runtime.api.llm import LLM
 
     compilation: dict = {"backend": args.compile_backend}
     if args.mode:
@@ -239,7 +239,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _sampling_params(args)            # NOTE: bad options fail here, before any rank starts
     _check_prompts(args, _prompts(args))
     if args.data_parallel_size > 1 and "RANK" not in os.environ:
-        from rung.runtime.data_parallel import spawn_ranks
+        from rung.runtime.dist.data_parallel import spawn_ranks
 
         reports = spawn_ranks(generate_report, args.data_parallel_size, (args,),
                               timeout_s=args.data_parallel_timeout_s * 30)
@@ -299,7 +299,7 @@ def _add_warmup(sub: Any) -> None:
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
-    from rung.runtime.warmup import run_warmup
+    from rung.runtime.tools.warmup import run_warmup
 
     check_output_path(args.json, "--json")
     return run_warmup(args, build_llm)
@@ -326,7 +326,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise ValueError("verify compares graph replays to eager: drop --enforce-eager and "
                          "--mode none")
     check_output_path(args.json, "--json")
-    from rung.runtime.verify import run_verify
+    from rung.runtime.tools.verify import run_verify
 
     spec = _speculative_config(args)
     return run_verify(args, build_llm, spec["num_speculative_tokens"] if spec else 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rung.runtime.outputs import Logprob
-from rung.runtime.request import Request
+from rung.runtime.sched.request import Request
 
 
 def apply_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

@@ -11,8 +11,8 @@ import torch
 from rung.core.attention_metadata import PAD_SLOT_ID, CommonAttentionMetadata
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.graph_mode import CUDAGraphMode
-from rung.runtime.kv_cache_manager import NULL_BLOCK
-from rung.runtime.scheduler import ScheduledRequest, SchedulerOutput
+from rung.runtime.sched.kv_cache_manager import NULL_BLOCK
+from rung.runtime.sched.scheduler import ScheduledRequest, SchedulerOutput
 
 
 @dataclasses.dataclass

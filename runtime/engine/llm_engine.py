@@ -21,18 +21,18 @@ from rung.kernels.triton.variants import KERNEL_VARIANTS
 from rung.models.loader import LoadedModel, load_model
 from rung.models.moe import shard_experts
 from rung.runtime.config import EngineConfig
-from rung.runtime.data_parallel import DataParallelGroup, DPStep, init_data_parallel
 from rung.runtime.detokenizer import find_stop_string
-from rung.runtime.kernel_warmup import sweep_attention_shapes
-from rung.runtime.kv_cache_manager import KVCacheManager
+from rung.runtime.dist.data_parallel import DataParallelGroup, DPStep, init_data_parallel
+from rung.runtime.engine.parallel_sampling import ParentRequest
 from rung.runtime.log import configure_logging
-from rung.runtime.model_runner import ModelRunner, ModelRunnerOutput
 from rung.runtime.outputs import CompletionOutput, Logprob, RequestOutput
-from rung.runtime.parallel_sampling import ParentRequest
-from rung.runtime.request import Request
 from rung.runtime.sampling_params import RequestOutputKind, SamplingParams
-from rung.runtime.scheduler import Scheduler, SchedulerOutput
-from rung.runtime.spec_decode import SpecStats, make_proposer
+from rung.runtime.sched.kv_cache_manager import KVCacheManager
+from rung.runtime.sched.request import Request
+from rung.runtime.sched.scheduler import Scheduler, SchedulerOutput
+from rung.runtime.spec.proposer import SpecStats, make_proposer
+from rung.runtime.worker.kernel_warmup import sweep_attention_shapes
+from rung.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 Prompt = str | dict
 

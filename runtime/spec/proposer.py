@@ -9,11 +9,11 @@ import numpy as np
 
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.runtime.config import EngineConfig
-from rung.runtime.request import Request
+from rung.runtime.sched.request import Request
 
 if TYPE_CHECKING:
     from rung.graphs.manager import CaptureRecord, GraphManager
-    from rung.runtime.model_runner import ModelRunner, ModelRunnerOutput
+    from rung.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 
 @dataclasses.dataclass
@@ -120,6 +120,6 @@ def make_proposer(config: EngineConfig, runner: ModelRunner) -> Proposer:
     if spec.method == "ngram":
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                              spec.prompt_lookup_max)
-    from rung.runtime.mtp_proposer import MtpProposer
+    from rung.runtime.spec.mtp import MtpProposer
 
     return MtpProposer.build(config, runner)

@@ -1,0 +1,5 @@
+"""rung.runtime.engine: the step loop (`LLMEngine`) and what it calls per request."""
+
+from rung.runtime.engine.llm_engine import LLMEngine, Prompt
+
+__all__ = ["LLMEngine", "Prompt"]
