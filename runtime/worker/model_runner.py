@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from rung.graphs.manager import GraphManager
 
 _CPU_KV_BUDGET_BYTES = 2 << 30
+# (descriptor, num_tokens_across_dp) -> the descriptor the step runs
+DescriptorHook = Callable[[BatchExecutionDescriptor, "tuple[int, ...] | None"],
+                          BatchExecutionDescriptor]
 
 
 @dataclasses.dataclass
@@ -73,6 +76,7 @@ class ModelRunner:
                                       decode_query_len=1 + config.num_spec_tokens)
         self.sampler = Sampler(config.seed)
         self.graphs: GraphManager | None = None      # see use_graphs; None runs eagerly
+        self._descriptor_hooks: list[DescriptorHook] = []
         self._poison_rng = np.random.default_rng(config.seed)
 
     # --- set-up -----------------------------------------------------------------------
@@ -125,6 +129,13 @@ class ModelRunner:
         """Dispatch and run every later step through ``graphs`` (captured or capturing)."""
         self.graphs = graphs
 
+    def add_descriptor_hook(self, hook: DescriptorHook) -> Callable[[], None]:
+        """Every step's descriptor goes through ``hook(desc, num_tokens_across_dp)``, which
+        returns the one the step runs (a tool that pads to another captured size, e.g.
+        `rung verify`). Returns a function that removes it."""
+        self._descriptor_hooks.append(hook)
+        return lambda: self._descriptor_hooks.remove(hook)
+
     # --- one step -----------------------------------------------------------------------
     def dispatch(self, layout: BatchLayout,
                  num_tokens_across_dp: tuple[int, ...] | None = None
@@ -152,6 +163,8 @@ class ModelRunner:
         if self.config.debug_padding:
             self.input_batch.check_block_rows(block_ids)
         desc = self.dispatch(layout, num_tokens_across_dp)
+        for hook in self._descriptor_hooks:
+            desc = hook(desc, num_tokens_across_dp)
         self.input_batch.pad(desc)
         hidden = self.forward(desc, layout)                       # [num_tokens_padded, H]
         rows = torch.from_numpy(layout.logits_indices).to(self.device)
