@@ -9,7 +9,7 @@ from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.graph_mode import CUDAGraphMode
 from rung.runtime import LLM, SamplingParams
 from rung.runtime.sched.request import Request
-from rung.runtime.spec.proposer import NgramProposer
+from rung.runtime.spec.ngram import NgramProposer
 from rung.runtime.worker.rejection_sampler import rejection_sample
 
 PROMPTS = ["abcabcabcabcabc", "hello hello hello hello", "xyz", "one two one two one"]

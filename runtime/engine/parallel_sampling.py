@@ -47,3 +47,50 @@ class ParentRequest:
             return None
         return dataclasses.replace(out, request_id=self.request_id,
                                    outputs=[self.finished[i] for i in range(self.n)])
+
+
+class ParallelSampling:
+    """The ``n > 1`` requests the engine holds: which child belongs to which parent."""
+
+    def __init__(self) -> None:
+        self._parents: dict[str, ParentRequest] = {}
+        self._child_index: dict[str, tuple[ParentRequest, int]] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._parents
+
+    def fan_out(self, request_id: str, params: SamplingParams
+                ) -> list[tuple[str, SamplingParams]]:
+        """(child id, child params) of each of the ``n`` samples of ``request_id``."""
+        parent = ParentRequest(request_id, params)
+        self._parents[request_id] = parent
+        for index, child_id in enumerate(parent.child_ids):
+            self._child_index[child_id] = (parent, index)
+        return [(child_id, parent.child_params(params, index))
+                for index, child_id in enumerate(parent.child_ids)]
+
+    def abort(self, request_id: str) -> list[str] | None:
+        """The children of parent ``request_id`` (forgotten here), or None: not a parent."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return None
+        for child_id in parent.child_ids:
+            self._child_index.pop(child_id, None)
+        return parent.child_ids
+
+    def gather(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """A child of an ``n > 1`` request reports as its parent."""
+        if not self._child_index:
+            return outputs
+        return [g for g in map(self._gather_one, outputs) if g is not None]
+
+    def _gather_one(self, out: RequestOutput) -> RequestOutput | None:
+        parent, index = self._child_index.get(out.request_id, (None, 0))
+        if parent is None:
+            return out
+        gathered = parent.gather(index, out)
+        if out.finished:
+            del self._child_index[out.request_id]
+        if gathered is not None and gathered.finished:
+            del self._parents[parent.request_id]
+        return gathered

@@ -21,6 +21,7 @@ from rung.graphs.dispatcher import Dispatcher
 from rung.graphs.ladder import draft_capture_sizes
 from rung.graphs.manager import CaptureRecord, GraphManager
 from rung.models.loader import DRAFT_WEIGHT_SEED, load_model
+from rung.models.registry import DraftModel
 from rung.runtime.config import EngineConfig
 from rung.runtime.sched.request import Request
 from rung.runtime.spec.proposer import Proposer, check_draft_rows
@@ -110,7 +111,7 @@ class MtpProposer(Proposer):
         loaded = load_model(spec.model, config.dtype, str(config.device), config.load_format,
                             DRAFT_WEIGHT_SEED)
         drafter = loaded.model
-        if not hasattr(drafter, "bind_target"):
+        if not isinstance(drafter, DraftModel):
             raise ValueError(f"speculative model {spec.model!r} ({type(drafter).__name__}) is "
                              "not an MTP drafter (expected e.g. a gemma4_assistant)")
         drafter.bind_target(runner.model)
