@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
+import math
+
+# torch.Generator.manual_seed accepts any seed in this range
+MIN_SEED, MAX_SEED = -2**63, 2**64 - 1
 
 
 class RequestOutputKind(enum.Enum):
@@ -35,21 +40,33 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.top_k == -1:
             self.top_k = 0
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
+        self.stop = _as_list("stop", [self.stop] if isinstance(self.stop, str) else self.stop)
         self._check()
+
+    def clone(self) -> SamplingParams:
+        """A deep copy: the engine keeps its own, so changing the caller's object later
+        changes no queued request (as vLLM does)."""
+        return copy.deepcopy(self)
 
     def _check(self) -> None:
         for name in ("temperature", "top_p"):
-            _require(_is_number(getattr(self, name)), name, getattr(self, name), "a number")
+            value = getattr(self, name)
+            _require(_is_number(value) and math.isfinite(value), name, value,
+                     "a finite number")
         for name in ("top_k", "min_tokens", "n"):
             _require(_is_int(getattr(self, name)), name, getattr(self, name), "an integer")
         for name in ("max_tokens", "seed", "logprobs"):
             value = getattr(self, name)
             _require(value is None or _is_int(value), name, value, "an integer or None")
         _require(self.n >= 1, "n", self.n, ">= 1")
+        _require(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids",
+                 self.stop_token_ids, "a list of integers")
+        if self.seed is not None:
+            # NOTE: sample i of an n > 1 request is seeded with seed + i
+            _require(MIN_SEED <= self.seed and self.seed + self.n - 1 <= MAX_SEED, "seed",
+                     self.seed, "in torch's range [-2**63, 2**64 - 1]"
+                     + (f" with seed + n - 1 (n={self.n}) too" if self.n > 1 else ""))
         _require(isinstance(self.output_kind, RequestOutputKind), "output_kind",
                  self.output_kind, "a RequestOutputKind")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
@@ -76,6 +93,14 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _as_list(name: str, value: object) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"SamplingParams.{name}={value!r} is invalid: must be a list")
+    return list(value)
 
 
 def _require(ok: bool, name: str, value: object, limit: str) -> None:

@@ -22,6 +22,7 @@ from rung.runtime.config import (
 from rung.runtime.dist.data_parallel import ROUTING_POLICIES, route_requests
 from rung.runtime.engine import LLMEngine, Prompt
 from rung.runtime.outputs import CompletionOutput, RequestOutput
+from rung.runtime.request_ids import GenerateId
 from rung.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -98,7 +99,8 @@ class LLM:
                   for p in params]
         base = self._num_prompts
         self._num_prompts += len(prompts)
-        ids = [f"gen-{base + i}" for i in range(len(prompts))]
+        # NOTE: ids of generate's own namespace: never a request the caller added directly
+        ids = [GenerateId(base + i) for i in range(len(prompts))]
         dp = self.engine.dp
         mine = [True] * len(prompts)
         if dp is not None:
@@ -114,22 +116,28 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        done = self._run(sum(mine), use_tqdm and (dp is None or dp.rank == 0))
+        done = self._run({rid for rid, here in zip(ids, mine) if here},
+                         use_tqdm and (dp is None or dp.rank == 0))
         if dp is not None:
             done = self._gather_outputs(done)
-        return [done[rid] for rid in ids]
+        return [dataclasses.replace(done[rid], request_id=str(rid)) for rid in ids]
 
-    def _run(self, num_prompts: int, use_tqdm: bool) -> dict[str, RequestOutput]:
-        """Step until this engine's prompts (every rank's, under data parallel) are done."""
-        done: dict[str, RequestOutput] = {}
+    def _run(self, ids: set[GenerateId], use_tqdm: bool) -> dict[GenerateId, RequestOutput]:
+        """Step until the prompts ``ids`` (under data parallel: every rank's) are done.
+        Outputs of requests added to the engine directly go back to it, for its next
+        ``step()`` to return."""
+        done: dict[GenerateId, RequestOutput] = {}
+        num_prompts = len(ids)
         bar = tqdm(total=num_prompts, desc="Processed prompts", unit="prompt", file=sys.stderr,
                    disable=not use_tqdm)
         num_output_tokens = 0
         self.engine.all_ranks_idle = False
         try:
-            while self._keep_stepping():
-                for out in self.engine.step():
-                    if out.finished:
+            while self._keep_stepping(len(done) < num_prompts):
+                outputs = self.engine.step()
+                self.engine.requeue_outputs([o for o in outputs if o.request_id not in ids])
+                for out in outputs:
+                    if out.finished and out.request_id in ids:
                         done[out.request_id] = out
                         num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)
@@ -141,9 +149,9 @@ class LLM:
             bar.close()
         return done
 
-    def _keep_stepping(self) -> bool:
+    def _keep_stepping(self, pending: bool) -> bool:
         if self.engine.dp is None:
-            return self.engine.has_unfinished_requests()
+            return pending
         # NOTE: every rank steps (and syncs) until a sync finds every rank idle
         return not self.engine.all_ranks_idle
 

@@ -5,6 +5,7 @@ One step: schedule -> (data parallel: sync) -> execute -> commit -> outputs -> p
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable
 
@@ -13,12 +14,13 @@ from rung.runtime.config import EngineConfig
 from rung.runtime.dist.data_parallel import DataParallelGroup, DPStep, init_data_parallel
 from rung.runtime.engine.data_parallel import EngineDataParallel
 from rung.runtime.engine.output_processor import OutputProcessor
-from rung.runtime.engine.parallel_sampling import ParallelSampling
+from rung.runtime.engine.parallel_sampling import ParallelSampling, ParentRequest
 from rung.runtime.engine.processor import InputProcessor, Prompt
 from rung.runtime.engine.startup import capture_graphs, load_target, log_setup, make_proposer
 from rung.runtime.engine.stats import EngineStats
 from rung.runtime.log import configure_logging
 from rung.runtime.outputs import RequestOutput
+from rung.runtime.request_ids import RequestId, check_request_id
 from rung.runtime.sampling_params import SamplingParams
 from rung.runtime.sched.kv_cache_manager import KVCacheManager
 from rung.runtime.sched.request import Request
@@ -47,7 +49,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.kv_groups, self.runner.num_blocks,
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[RequestId, Request] = {}
         self._arrivals = 0
         self._stats = EngineStats()
         self._step_listeners: list[Callable[[ModelRunnerOutput], None]] = []
@@ -56,6 +58,7 @@ class LLMEngine:
                                      self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self._parallel = ParallelSampling()
+        self._requeued: list[RequestOutput] = []     # returned first by the next step()
         self.proposer = make_proposer(config, self.runner) if config.speculative else None
         self.spec_stats = SpecStats(config.num_spec_tokens) if config.speculative else None
         self._dp_engine = (EngineDataParallel(self.dp, config, self.runner, self.proposer,
@@ -69,32 +72,39 @@ class LLMEngine:
         self._stats.warmed_up()
 
     # --- requests -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
-                    ) -> None:
-        """Validate and queue one request (``n > 1``: one child per sample). Bad input
-        raises ValueError and leaves the engine untouched."""
-        params = params or SamplingParams()
+    def add_request(self, request_id: RequestId, prompt: Prompt,
+                    params: SamplingParams | None = None) -> None:
+        """Validate and queue one request (every sample of an ``n > 1`` one, or none). Bad
+        input raises ValueError and leaves the engine untouched. The engine keeps its own
+        copy of ``params``: changing the caller's object later changes nothing here."""
+        check_request_id(request_id)
+        params = (params or SamplingParams()).clone()
         if request_id in self.requests or request_id in self._parallel:
             raise ValueError(f"request_id {request_id!r} is already in use")
         got = self.inputs.process(prompt, params)
-        samples = ([(request_id, got.params)] if params.n == 1
-                   else self._parallel.fan_out(request_id, got.params))
-        for rid, child_params in samples:
-            req = Request(rid, got.prompt, got.token_ids, child_params, got.eos_token_id,
-                          self._arrivals, self.tokenizer)
+        parent = ParentRequest(request_id, got.params) if params.n > 1 else None
+        samples = ([(request_id, got.params)] if parent is None else
+                   [(cid, parent.child_params(got.params, i))
+                    for i, cid in enumerate(parent.child_ids)])
+        # NOTE: every sample is built (seeded) before any is queued: all or none
+        reqs = [Request(rid, got.prompt, got.token_ids, sample_params, got.eos_token_id,
+                        self._arrivals + i, self.tokenizer)
+                for i, (rid, sample_params) in enumerate(samples)]
+        if parent is not None:
+            self._parallel.add(parent)
+        for req in reqs:
             self._arrivals += 1
-            self.requests[rid] = req
+            self.requests[req.request_id] = req
             self.scheduler.add_request(req)
 
-    def abort_request(self, request_id: str) -> None:
-        children = self._parallel.abort(request_id)
-        if children is not None:
-            for child_id in children:
-                self.abort_request(child_id)
-            return
-        req = self.requests.get(request_id)
-        if req is not None and not req.is_finished:
-            self._finish(req, "abort")
+    def abort_request(self, request_id: RequestId) -> None:
+        """Finish a request (every sample of an ``n > 1`` one) as "abort"; an id that names
+        no running request is ignored. One sample alone cannot be aborted."""
+        check_request_id(request_id)
+        for rid in self._parallel.abort(request_id) or [request_id]:
+            req = self.requests.get(rid)
+            if req is not None and not req.is_finished:
+                self._finish(req, "abort")
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block (e.g. between benchmark runs); False while requests
@@ -102,7 +112,13 @@ class LLMEngine:
         return self.kv.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests still running or waiting, or outputs still to be returned by step()."""
+        return self.scheduler.has_unfinished() or bool(self._requeued)
+
+    def requeue_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Outputs a caller took from ``step()`` but does not own (``LLM.generate`` stepping
+        beside requests added directly): the next ``step()`` returns them first, in order."""
+        self._requeued += outputs
 
     def add_step_listener(self, listener: Callable[[ModelRunnerOutput], None]
                           ) -> Callable[[], None]:
@@ -123,7 +139,7 @@ class LLMEngine:
         self._stats.counts["preemptions"] += len(sched.preempted)
         dp_step = None
         if self._dp_engine is not None:
-            dp_step = self._dp_engine.sync(sched, self.has_unfinished_requests())
+            dp_step = self._dp_engine.sync(sched, self.scheduler.has_unfinished())
             self.all_ranks_idle = dp_step.all_idle
         if sched.scheduled:
             block_ids = [self.kv.block_ids(s.request.request_id) for s in sched.scheduled]
@@ -137,7 +153,10 @@ class LLMEngine:
             outputs += self._commit(sched, result)
             if self.proposer is not None:
                 self._propose(sched, result, dp_step)
-        return self._parallel.gather(outputs)
+        outputs = self._parallel.gather(outputs)
+        if self._requeued:
+            outputs, self._requeued = self._requeued + outputs, []
+        return outputs
 
     def _commit(self, sched: SchedulerOutput, result: ModelRunnerOutput
                 ) -> list[RequestOutput]:
@@ -149,15 +168,16 @@ class LLMEngine:
             # NOTE: KV of rejected drafts is discarded by not counting it as computed;
             # the next step overwrites those slots.
             num_accepted = max(len(new) - 1, 0) if s.num_spec_tokens else 0
-            req.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens + num_accepted
-            req.spec_token_ids = []
-            self.kv.advance(req)      # hash blocks now full, free blocks out of the window
             if s.num_spec_tokens and new:
                 self.spec_stats.record(s.num_spec_tokens, num_accepted)
+            num_computed = s.num_new_tokens - s.num_spec_tokens + num_accepted
+            num_kept, reason = req.commit(new, num_computed, self.kv,
+                                          functools.partial(self.outputs.stop_reason, req))
             if not new:
                 continue
-            self.outputs.append(req, new, result.logprobs.get(req.request_id))
-            out = (self._finish(req, req.finish_reason) if req.finish_reason is not None
+            self.outputs.record_logprobs(req, new[:num_kept],
+                                         result.logprobs.get(req.request_id))
+            out = (self._finish(req, reason) if reason is not None
                    else self.outputs.make_output(req))
             if out is not None:
                 outputs.append(out)
@@ -178,7 +198,7 @@ class LLMEngine:
             if req.is_finished or not result.sampled.get(req.request_id):
                 continue
             room = self.max_model_len - req.num_tokens
-            req.spec_token_ids = list(req_drafts[:max(room, 0)])
+            req.set_drafts(req_drafts[:max(room, 0)])
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
         req.error = error

@@ -1,4 +1,5 @@
-"""A step's new tokens into a request (stop checks, logprobs) and the RequestOutput it reports."""
+"""What a step's new tokens mean for a request (stop checks, logprobs) and the
+RequestOutput it reports. The tokens themselves go in through ``Request.commit``."""
 
 from __future__ import annotations
 
@@ -17,22 +18,13 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
 
-    def append(self, req: Request, new: list[int], logprobs: list | None) -> None:
-        """Append ``new`` to ``req`` up to the first token that stops it (its finish_reason
-        and stop_reason are set then)."""
-        for i, token in enumerate(new):
-            req.token_ids.append(token)
-            if logprobs is not None and req.logprobs is not None:
+    def record_logprobs(self, req: Request, tokens: list[int], logprobs: list | None
+                        ) -> None:
+        """Record the logprobs of ``tokens``, the ones that went in this step."""
+        if logprobs is not None and req.logprobs is not None:
+            for i, token in enumerate(tokens):
                 req.logprobs.append(self._decoded(logprobs[i]))
                 req.cumulative_logprob += logprobs[i][token].logprob
-            reason = self._stop_reason(req, token)
-            if reason is None and req.params.stop and self._hits_stop_string(req):
-                reason = "stop"
-            if reason is not None:
-                req.finish_reason = reason
-                if reason == "stop" and token != req.eos_token_id and req.stop_reason is None:
-                    req.stop_reason = token
-                break
 
     def _decoded(self, logprobs: dict[int, Logprob]) -> dict[int, Logprob]:
         if self.tokenizer is None:
@@ -55,14 +47,19 @@ class OutputProcessor:
         detok.truncate(text_end)
         return True
 
-    def _stop_reason(self, req: Request, token: int) -> str | None:
+    def stop_reason(self, req: Request, token: int) -> str | None:
+        """Why ``token`` (just appended) ends the request, or None. A stop token or string
+        wins over a length limit the same token reaches. Sets ``req.stop_reason``."""
         p = req.params
         n_out = req.num_output_tokens
         if n_out >= p.min_tokens:
             if token == req.eos_token_id and not p.ignore_eos:
                 return "stop"
             if token in p.stop_token_ids:
+                req.stop_reason = token
                 return "stop"
+        if p.stop and self._hits_stop_string(req):
+            return "stop"
         if p.max_tokens is not None and n_out >= p.max_tokens:
             return "length"
         if req.num_tokens >= self.max_model_len:

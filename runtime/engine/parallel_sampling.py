@@ -9,17 +9,19 @@ from __future__ import annotations
 import dataclasses
 
 from rung.runtime.outputs import CompletionOutput, RequestOutput
+from rung.runtime.request_ids import RequestId, SampleId
 from rung.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 
 class ParentRequest:
     """The user's request id, its ``n`` children, and their finished completions."""
 
-    def __init__(self, request_id: str, params: SamplingParams) -> None:
+    def __init__(self, request_id: RequestId, params: SamplingParams) -> None:
         self.request_id = request_id
         self.n = params.n
         self.output_kind = params.output_kind
-        self.child_ids = [f"{index}_{request_id}" for index in range(params.n)]
+        # NOTE: ids of their own type: no user id can alias a sample (request_ids.py)
+        self.child_ids = [SampleId(request_id, index) for index in range(params.n)]
         self.finished: dict[int, CompletionOutput] = {}
 
     @staticmethod
@@ -53,23 +55,18 @@ class ParallelSampling:
     """The ``n > 1`` requests the engine holds: which child belongs to which parent."""
 
     def __init__(self) -> None:
-        self._parents: dict[str, ParentRequest] = {}
-        self._child_index: dict[str, tuple[ParentRequest, int]] = {}
+        self._parents: dict[RequestId, ParentRequest] = {}
+        self._child_index: dict[RequestId, tuple[ParentRequest, int]] = {}
 
-    def __contains__(self, request_id: str) -> bool:
+    def __contains__(self, request_id: RequestId) -> bool:
         return request_id in self._parents
 
-    def fan_out(self, request_id: str, params: SamplingParams
-                ) -> list[tuple[str, SamplingParams]]:
-        """(child id, child params) of each of the ``n`` samples of ``request_id``."""
-        parent = ParentRequest(request_id, params)
-        self._parents[request_id] = parent
+    def add(self, parent: ParentRequest) -> None:
+        self._parents[parent.request_id] = parent
         for index, child_id in enumerate(parent.child_ids):
             self._child_index[child_id] = (parent, index)
-        return [(child_id, parent.child_params(params, index))
-                for index, child_id in enumerate(parent.child_ids)]
 
-    def abort(self, request_id: str) -> list[str] | None:
+    def abort(self, request_id: RequestId) -> list[SampleId] | None:
         """The children of parent ``request_id`` (forgotten here), or None: not a parent."""
         parent = self._parents.pop(request_id, None)
         if parent is None:

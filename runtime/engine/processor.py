@@ -63,8 +63,10 @@ class InputProcessor:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError("prompt_token_ids must be a list of ints")
+            if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError(f"prompt_token_ids must be a list of ints, got "
+                                 f"{_preview(ids)}")
             return prompt.get("prompt"), list(ids)
         raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got "
                          f"{type(prompt).__name__}")
@@ -93,3 +95,8 @@ class InputProcessor:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop} need a tokenizer; model "
                              f"{self.model!r} has none: use stop_token_ids")
+
+
+def _preview(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -320,6 +320,12 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, req, blocks: RequestBlocks, num_full: int) -> None:
         first = self._num_cached[req.request_id]
+        if num_full * self.block_size > len(req.token_ids):
+            # NOTE: a block hashed over fewer tokens than it holds names the wrong prefix
+            # for every block chained after it
+            raise RuntimeError(f"request {req.request_id!r}: {num_full} full blocks of "
+                               f"{self.block_size} tokens but only {len(req.token_ids)} "
+                               "tokens are known: tokens must be committed before advance()")
         hashes = self._block_hashes(req, num_full)
         for pool, group_blocks in zip(self.pools, blocks):
             for i in range(first, num_full):

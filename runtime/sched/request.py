@@ -1,13 +1,30 @@
-"""A request's state as the scheduler sees it."""
+"""A request's state, and the transitions that are the only writers of it.
+
+```
+WAITING ──start──► RUNNING ──commit(tokens, num_computed)──► RUNNING … ──finish──► FINISHED
+   ▲   take_cached_prefix  │  └─set_drafts / drop_drafts
+   └──────preempt──────────┘  (PREEMPTED waits at the front of the queue, as WAITING)
+```
+
+NOTE: ``token_ids``, ``num_computed_tokens``, ``spec_token_ids`` and ``status`` change only
+through these methods (tests/test_request_state.py holds runtime/ to it). ``commit`` puts
+a step's tokens in BEFORE it counts them computed and lets the KV cache hash the blocks now
+full, so a block is only ever hashed over its full, verified tokens.
+"""
 
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from rung.runtime.detokenizer import IncrementalDetokenizer
+from rung.runtime.request_ids import RequestId
 from rung.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from rung.runtime.sched.kv_cache_manager import KVCacheManager
 
 
 class RequestStatus(enum.Enum):
@@ -18,7 +35,7 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+    def __init__(self, request_id: RequestId, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, eos_token_id: int | None, arrival: int,
                  tokenizer=None) -> None:
         self.request_id = request_id
@@ -67,6 +84,77 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    # --- transitions ------------------------------------------------------------------
+    def take_cached_prefix(self, num_tokens: int) -> None:
+        """Waiting: the prefix cache holds the KV of the first ``num_tokens`` tokens (0 when
+        an admission that took a hit failed and gave it back)."""
+        self._require(RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        if not 0 <= num_tokens < self.num_tokens:
+            raise RuntimeError(f"request {self.request_id!r}: a cached prefix of {num_tokens} "
+                               f"tokens must leave one of its {self.num_tokens} to compute")
+        self.num_computed_tokens = num_tokens
+
+    def start(self) -> None:
+        """Admitted: it holds KV blocks for this step's tokens."""
+        self._require(RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        self.status = RequestStatus.RUNNING
+
+    def commit(self, tokens: list[int], num_computed: int, kv: KVCacheManager,
+               stop_reason: Callable[[int], str | None]) -> tuple[int, str | None]:
+        """A step's result: the KV of ``num_computed`` more tokens is written and verified
+        (rejected drafts are not counted: the next step overwrites their slots), and
+        ``tokens`` (accepted drafts, then the sampled token) go in one at a time until
+        ``stop_reason(token)``, asked once each is in, ends the request. The drafts are
+        consumed. Then ``kv`` hashes the blocks now full and frees those out of the window.
+        Returns how many of ``tokens`` went in, and why the request ends (None: it runs on).
+        """
+        self._require(RequestStatus.RUNNING)
+        num_kept, reason = 0, None
+        for token in tokens:
+            self.token_ids.append(token)
+            num_kept += 1
+            reason = stop_reason(token)
+            if reason is not None:
+                break
+        computed = self.num_computed_tokens + num_computed
+        if computed > self.num_tokens and reason is None:
+            raise RuntimeError(f"request {self.request_id!r}: {computed} tokens computed but "
+                               f"only {self.num_tokens} known")
+        # NOTE: tokens past a stop are dropped; so is the KV written for them
+        self.num_computed_tokens = min(computed, self.num_tokens)
+        self.spec_token_ids = []
+        kv.advance(self)
+        return num_kept, reason
+
+    def set_drafts(self, drafts: list[int]) -> None:
+        """Drafts to verify next step (the caller keeps them within max_model_len)."""
+        self._require(RequestStatus.RUNNING)
+        self.spec_token_ids = list(drafts)
+
+    def drop_drafts(self, num_kept: int = 0) -> None:
+        """Keep only the first ``num_kept`` drafts (the budget or the KV cache has no room
+        for the rest)."""
+        self.spec_token_ids = self.spec_token_ids[:num_kept]
+
+    def preempt(self) -> None:
+        """Running -> preempted (its blocks were freed): it recomputes from the start."""
+        self._require(RequestStatus.RUNNING)
+        self.status = RequestStatus.PREEMPTED
+        self.num_computed_tokens = 0
+        self.spec_token_ids = []
+        self.num_preemptions += 1
+
+    def finish(self, reason: str) -> None:
+        """-> finished (its blocks were freed). A reason set earlier is kept."""
+        self.status = RequestStatus.FINISHED
+        self.spec_token_ids = []
+        self.finish_reason = self.finish_reason or reason
+
+    def _require(self, *allowed: RequestStatus) -> None:
+        if self.status not in allowed:
+            raise RuntimeError(f"request {self.request_id!r} is {self.status.value}; this "
+                               f"transition needs {' or '.join(s.value for s in allowed)}")
 
 
 def _stop_buffer_length(params: SamplingParams) -> int:

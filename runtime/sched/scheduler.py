@@ -76,18 +76,18 @@ class Scheduler:
             budget += num_spec - s.num_spec_tokens      # drafts that did not fit
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            req.num_computed_tokens = self.kv.take_cached_prefix(req)   # prefix-cache hit
+            req.take_cached_prefix(self.kv.take_cached_prefix(req))   # prefix-cache hit
             num_new = self._num_new_tokens(req, budget)
             if not self.kv.allocate(req.request_id, req.num_computed_tokens + num_new):
                 self.kv.free(req.request_id)           # gives a hit back; it stays cached
-                req.num_computed_tokens = 0
+                req.take_cached_prefix(0)
                 if not self.running:       # alone and still too big: it can never run
                     self.waiting.popleft()
                     out.errored.append(req)
                     continue
                 break
             self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
+            req.start()
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, len(req.spec_token_ids)))
             budget -= num_new
@@ -102,7 +102,7 @@ class Scheduler:
             num_spec = len(req.spec_token_ids)
             if 1 + num_spec <= budget:
                 return 1 + num_spec
-            req.spec_token_ids = []
+            req.drop_drafts()
         return min(pending, budget)
 
     def _fit_drafts(self, req: Request, num_own: int) -> ScheduledRequest:
@@ -115,8 +115,7 @@ class Scheduler:
         while num_spec and not self.kv.allocate(
                 req.request_id, req.num_computed_tokens + num_own + num_spec):
             num_spec -= 1
-        if num_spec < len(req.spec_token_ids):
-            req.spec_token_ids = req.spec_token_ids[:num_spec]
+        req.drop_drafts(num_spec)
         return ScheduledRequest(req, num_own + num_spec, num_spec)
 
     def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
@@ -136,10 +135,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req.request_id)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        req.spec_token_ids = []
-        req.num_preemptions += 1
+        req.preempt()
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str) -> None:
@@ -148,5 +144,4 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req.request_id)
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = req.finish_reason or reason
+        req.finish(reason)
