@@ -55,9 +55,11 @@ class _DispatchOnly:
         self.dispatcher = dispatcher
         self.model = model
 
-    def dispatch(self, num_reqs: int, num_tokens: int,
-                 uniform_query_len: int | None) -> BatchExecutionDescriptor:
-        return self.dispatcher.dispatch(num_reqs, num_tokens, uniform_query_len)
+    def dispatch(self, num_reqs: int, num_tokens: int, uniform_query_len: int | None,
+                 num_tokens_across_dp: tuple[int, ...] | None = None
+                 ) -> BatchExecutionDescriptor:
+        return self.dispatcher.dispatch(num_reqs, num_tokens, uniform_query_len,
+                                        num_tokens_across_dp)
 
     def run(self, desc: BatchExecutionDescriptor, ids: torch.Tensor,
             positions: torch.Tensor) -> torch.Tensor:
