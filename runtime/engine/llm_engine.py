@@ -147,13 +147,14 @@ class LLMEngine:
                 result = self.runner.execute(sched, block_ids)
             else:
                 result = self.runner.execute(sched, block_ids, dp_step.num_tokens_across_dp())
-            self._stats.record_step(result.desc)
+            self._stats.steps[result.desc.mode, result.desc.num_tokens_padded] += 1
             for listener in self._step_listeners:
                 listener(result)
             outputs += self._commit(sched, result)
             if self.proposer is not None:
                 self._propose(sched, result, dp_step)
-        outputs = self._parallel.gather(outputs)
+        if self._parallel.children:
+            outputs = self._parallel.gather(outputs)
         if self._requeued:
             outputs, self._requeued = self._requeued + outputs, []
         return outputs
@@ -175,8 +176,9 @@ class LLMEngine:
                                           functools.partial(self.outputs.stop_reason, req))
             if not new:
                 continue
-            self.outputs.record_logprobs(req, new[:num_kept],
-                                         result.logprobs.get(req.request_id))
+            logprobs = result.logprobs.get(req.request_id)
+            if logprobs is not None:
+                self.outputs.record_logprobs(req, new[:num_kept], logprobs)
             out = (self._finish(req, reason) if reason is not None
                    else self.outputs.make_output(req))
             if out is not None:

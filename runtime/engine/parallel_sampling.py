@@ -56,7 +56,8 @@ class ParallelSampling:
 
     def __init__(self) -> None:
         self._parents: dict[RequestId, ParentRequest] = {}
-        self._child_index: dict[RequestId, tuple[ParentRequest, int]] = {}
+        # sample id -> (its parent, its index); empty while no n > 1 request runs
+        self.children: dict[RequestId, tuple[ParentRequest, int]] = {}
 
     def __contains__(self, request_id: RequestId) -> bool:
         return request_id in self._parents
@@ -64,7 +65,7 @@ class ParallelSampling:
     def add(self, parent: ParentRequest) -> None:
         self._parents[parent.request_id] = parent
         for index, child_id in enumerate(parent.child_ids):
-            self._child_index[child_id] = (parent, index)
+            self.children[child_id] = (parent, index)
 
     def abort(self, request_id: RequestId) -> list[SampleId] | None:
         """The children of parent ``request_id`` (forgotten here), or None: not a parent."""
@@ -72,22 +73,20 @@ class ParallelSampling:
         if parent is None:
             return None
         for child_id in parent.child_ids:
-            self._child_index.pop(child_id, None)
+            self.children.pop(child_id, None)
         return parent.child_ids
 
     def gather(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """A child of an ``n > 1`` request reports as its parent."""
-        if not self._child_index:
-            return outputs
         return [g for g in map(self._gather_one, outputs) if g is not None]
 
     def _gather_one(self, out: RequestOutput) -> RequestOutput | None:
-        parent, index = self._child_index.get(out.request_id, (None, 0))
+        parent, index = self.children.get(out.request_id, (None, 0))
         if parent is None:
             return out
         gathered = parent.gather(index, out)
         if out.finished:
-            del self._child_index[out.request_id]
+            del self.children[out.request_id]
         if gathered is not None and gathered.finished:
             del self._parents[parent.request_id]
         return gathered

@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.graph_mode import CUDAGraphMode
 from rung.kernels.triton.variants import KERNEL_VARIANTS
 from rung.runtime.sched.kv_cache_manager import KVCacheManager
@@ -14,26 +13,22 @@ from rung.runtime.sched.kv_cache_manager import KVCacheManager
 class EngineStats:
     def __init__(self) -> None:
         self.counts: collections.Counter = collections.Counter()
-        self.graph_replays: collections.Counter = collections.Counter()  # "MODE:tokens"
+        # (mode, num_tokens_padded) -> steps run so (the engine counts: no call per step)
+        self.steps: collections.Counter[tuple[CUDAGraphMode, int]] = collections.Counter()
         self.jit_variants_at_warmup = 0
 
     def warmed_up(self) -> None:
         self.jit_variants_at_warmup = KERNEL_VARIANTS.count()
-
-    def record_step(self, desc: BatchExecutionDescriptor) -> None:
-        if desc.mode == CUDAGraphMode.NONE:
-            self.counts["eager_steps"] += 1
-        else:
-            self.graph_replays[f"{desc.mode.name}:{desc.num_tokens_padded}"] += 1
 
     def as_dict(self, engine: Any) -> dict[str, Any]:
         graphs, sched = engine.runner.graphs, engine.scheduler
         s = {"kv_free_blocks": engine.kv.num_free_blocks,
              "kv_total_blocks": engine.kv.num_total_blocks,
              **kv_stats(engine.kv),
-             "eager_steps": self.counts["eager_steps"],
+             "eager_steps": sum(n for (mode, _), n in self.steps.items()
+                                if mode == CUDAGraphMode.NONE),
              "graphs_captured": len(graphs.records) if graphs is not None else 0,
-             "graph_replays": dict(self.graph_replays),
+             "graph_replays": self._graph_replays(),
              "preemptions": self.counts["preemptions"],
              "num_running": len(sched.running),
              "num_waiting": len(sched.waiting),
@@ -47,6 +42,15 @@ class EngineStats:
             s["data_parallel"] = {"rank": dp.rank, "world_size": dp.world_size,
                                   **dp.stats.as_dict()}
         return s
+
+
+    def _graph_replays(self) -> dict[str, int]:
+        """"MODE:num_tokens_padded" -> steps that replayed a graph of that size."""
+        replays: collections.Counter = collections.Counter()
+        for (mode, num_tokens_padded), n in self.steps.items():
+            if mode != CUDAGraphMode.NONE:
+                replays[f"{mode.name}:{num_tokens_padded}"] += n
+        return dict(replays)
 
 
 def kv_stats(kv: KVCacheManager) -> dict[str, Any]:

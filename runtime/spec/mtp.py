@@ -59,6 +59,7 @@ class DraftBatch(PaddedBatch):
         for bt, sm, target in zip(self.block_tables, self.slot_mappings, target_block_tables):
             bt.np[:n] = target[:n]
             sm.np[:n] = PAD_SLOT_ID
+        self._num_reqs, self._num_tokens = n, desc.num_tokens
         self.pad(desc)
 
     def poison_pads(self, desc: BatchExecutionDescriptor, generator: torch.Generator,

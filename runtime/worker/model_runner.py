@@ -187,20 +187,16 @@ class ModelRunner:
 
     def forward(self, desc: BatchExecutionDescriptor, layout: BatchLayout) -> torch.Tensor:
         """Run the target model on the prepared, padded batch -> hidden [num_tokens_padded, H]."""
-        ids, positions, ctx = self._inputs(desc, layout)
+        _, attn_metadata = self.build_metadata(desc, layout)
+        ctx = ForwardContext(desc, attn_metadata, self.layers)
+        ids = self.input_batch.input_ids.gpu[:desc.num_tokens_padded]
+        positions = self.input_batch.positions.gpu[:desc.num_tokens_padded]
         with forward_context(ctx):
             if self.graphs is None:
                 hidden = self.model(ids, positions)
             else:
                 hidden = self.graphs.run(desc, ids, positions)
         return hidden
-
-    def _inputs(self, desc: BatchExecutionDescriptor, layout: BatchLayout
-                ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
-        _, attn_metadata = self.build_metadata(desc, layout)
-        ids = self.input_batch.input_ids.gpu[:desc.num_tokens_padded]
-        positions = self.input_batch.positions.gpu[:desc.num_tokens_padded]
-        return ids, positions, ForwardContext(desc, attn_metadata, self.layers)
 
     def poison_pads(self, desc: BatchExecutionDescriptor, generator: torch.Generator) -> None:
         """Garbage into the pad input rows a replay of ``desc`` reads (debug_padding)."""
@@ -211,7 +207,10 @@ class ModelRunner:
         """Inputs of a capture batch: every row a pad."""
         layout = self.input_batch.prepare_empty()
         self.input_batch.pad(desc)
-        return self._inputs(desc, layout)
+        _, attn_metadata = self.build_metadata(desc, layout)
+        ids = self.input_batch.input_ids.gpu[:desc.num_tokens_padded]
+        positions = self.input_batch.positions.gpu[:desc.num_tokens_padded]
+        return ids, positions, ForwardContext(desc, attn_metadata, self.layers)
 
     def _sample(self, sched: SchedulerOutput, layout: BatchLayout, logits: torch.Tensor,
                 out: ModelRunnerOutput) -> None:
