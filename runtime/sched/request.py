@@ -41,6 +41,7 @@ class Request:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)     # fixed: the prompt never changes
         self.params = params
         self.eos_token_id = eos_token_id
         self.arrival = arrival
@@ -64,10 +65,6 @@ class Request:
         self.num_preemptions = 0
         self.generator = (torch.Generator().manual_seed(params.seed)
                           if params.seed is not None else None)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -223,15 +223,14 @@ class ModelRunner:
             elif n > 1:
                 self._verify(s.request, logits[offset:offset + n], offset, layout, out)
             offset += n
-        if plain:
-            self._sample_plain(plain, logits, layout, out)
-
-    def _sample_plain(self, plain: list[tuple[Request, int]], logits: torch.Tensor,
-                      layout: BatchLayout, out: ModelRunnerOutput) -> None:
+        if not plain:
+            return
         reqs = [r for r, _ in plain]
         sub = logits[[row for _, row in plain]]                   # [num_plain, vocab]
         tokens = self.sampler(sub, reqs)
-        lps = token_logprobs(sub, tokens, [r.params.logprobs for r in reqs])
+        num_top = [r.params.logprobs for r in reqs]
+        lps = (token_logprobs(sub, tokens, num_top) if any(n is not None for n in num_top)
+               else num_top)
         for (req, row), token, lp in zip(plain, tokens.tolist(), lps):
             out.sampled[req.request_id] = [token]
             out.hidden_rows[req.request_id] = int(layout.logits_indices[row])
