@@ -5,6 +5,7 @@ The layering is defined and explained in rung.bench.import_graph; print the grap
 """
 
 from rung.bench.import_graph import (
+    ROOMS,
     ROOT,
     find_cycle,
     module_edges,
@@ -27,6 +28,27 @@ def test_every_library_module_is_read():
     assert {"kernels/attention.py", "graphs/manager.py",
             "runtime/engine/llm_engine.py"} <= sources
     assert (ROOT / "core" / "descriptor.py").exists()
+
+
+def test_every_runtime_room_is_a_node_of_its_own():
+    edges = module_edges()
+    linked = {node for source, target, _ in edges for node in (source, target)}
+    assert {f"runtime/{room}" for room in ROOMS} <= linked
+    graph = package_graph(edges)
+    assert {"runtime/sched", "runtime/worker"} <= set(graph["runtime/engine"])
+
+
+def test_a_room_importing_a_room_above_it_is_caught(tmp_path):
+    for folder in ("runtime/sched", "runtime/engine"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "runtime" / "sched" / "bad.py").write_text(
+        "from rung.runtime.engine.llm_engine import LLMEngine\n")
+    (tmp_path / "runtime" / "engine" / "ok.py").write_text("import rung.runtime.sched.bad\n")
+    edges = module_edges(tmp_path)
+    assert violations(edges) == [
+        "runtime/sched/bad.py imports rung.runtime.engine.llm_engine "
+        "(runtime/sched may import core, runtime)"]
+    assert find_cycle(package_graph(edges)) is not None
 
 
 def test_an_upward_import_is_caught_even_under_type_checking(tmp_path):
