@@ -106,7 +106,8 @@ class Request:
         consumed. Then ``kv`` hashes the blocks now full and frees those out of the window.
         Returns how many of ``tokens`` went in, and why the request ends (None: it runs on).
         """
-        self._require(RequestStatus.RUNNING)
+        if self.status is not RequestStatus.RUNNING:      # NOTE: once per request per step
+            self._require(RequestStatus.RUNNING)
         num_kept, reason = 0, None
         for token in tokens:
             self.token_ids.append(token)
