@@ -1,4 +1,4 @@
-"""`rung` command line: generate, warmup, verify, bench.
+"""`rung` command line: generate, warmup, verify, bench, serve.
 
 Every subcommand is added by one ``_add_*`` function; errors a user can cause become one
 ``error: ...`` line on stderr (exit 2 for bad input, 1 for a failure), Ctrl-C exits quietly
@@ -25,6 +25,7 @@ from rung.cli.args import (
     speculative_config,
 )
 from rung.cli.generate import add_generate
+from rung.cli.serve import add_bench_serve, add_serve
 
 
 # --- warmup ----------------------------------------------------------------------------------
@@ -85,6 +86,7 @@ def _add_bench(sub: Any) -> None:
 
     add_prefix_args(latency)
     latency.set_defaults(func=cmd_bench)
+    add_bench_serve(bench_sub)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -107,7 +109,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # --- entry point -----------------------------------------------------------------------------
 SUBCOMMANDS: list[Callable[[Any], None]] = [add_generate, _add_warmup, _add_verify,
-                                              _add_bench]
+                                              _add_bench, add_serve]
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -13,6 +13,8 @@ _EXPORTS = {
     "RequestOutput": "rung.runtime.outputs",
     "CompletionOutput": "rung.runtime.outputs",
     "Logprob": "rung.runtime.outputs",
+    # conversation -> {"prompt", "prompt_token_ids"} with a model's chat template
+    "apply_chat_template": "rung.models.chat_template",
 }
 
 __all__ = list(_EXPORTS)

@@ -64,3 +64,16 @@ def test_an_upward_import_is_caught_even_under_type_checking(tmp_path):
         "kernels/bad.py imports rung.runtime.model_runner (kernels may import core)"]
     assert find_cycle(package_graph(edges)) in (["kernels", "runtime", "kernels"],
                                                  ["runtime", "kernels", "runtime"])
+
+
+def test_the_server_sits_on_the_public_api_and_only_the_cli_imports_it(tmp_path):
+    for package in ("runtime", "bench", "server", "cli"):
+        (tmp_path / package).mkdir()
+    (tmp_path / "server" / "ok.py").write_text("from rung.runtime import LLMEngine\n")
+    (tmp_path / "server" / "deep.py").write_text("from rung.runtime.engine import LLMEngine\n")
+    (tmp_path / "bench" / "up.py").write_text("import rung.server.app\n")
+    (tmp_path / "cli" / "main.py").write_text("from rung.server.app import run_server\n")
+    assert violations(module_edges(tmp_path)) == [
+        "bench/up.py imports rung.server.app (bench may import core, graphs, kernels, "
+        "models, runtime)",
+        "server/deep.py imports rung.runtime.engine (server may import only rung.runtime)"]

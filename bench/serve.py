@@ -1,0 +1,265 @@
+"""`rung bench serve`: `rung serve` under a bounded loopback load, next to `LLM.generate`.
+
+One process builds the engine for `LLM.generate` and starts `rung serve` with the same
+engine flags in a subprocess on 127.0.0.1. For each stream count (1, 8, 32 by default) and
+each round, both run the same fresh prompts (``input_len`` random tokens, ``output_len``
+greedy tokens, EOS ignored), one after the other (A B A B ...): `LLM.generate` on all of
+them at once, and the server with as many concurrent streams as prompts, each a streamed
+`/v1/completions`. A round's request count is fixed (the stream count) and the whole run
+stops early at ``--time-cap``.
+
+Reported per stream count: tokens/s (generated tokens / wall time of the round), the time
+to first token and the inter-token latency of every stream (the server's as the client
+sees them over HTTP; `LLM.generate`'s from a step listener) and the server's overhead,
+1 - serve tokens/s / generate tokens/s. The client is a few lines of asyncio HTTP, so the
+figure is the server's cost, not a heavy client's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Callable
+
+import torch
+
+from rung.bench.report import environment, loadavg
+from rung.bench.stats import percentiles_ms
+from rung.runtime.api.llm import LLM
+from rung.runtime.sampling_params import SamplingParams
+
+
+def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--streams", default="1,8,32",
+                   help="comma-separated concurrent stream counts")
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="measured rounds per stream count (each: generate, then serve)")
+    p.add_argument("--time-cap", type=float, default=600.0,
+                   help="seconds after which no further round starts")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads, here and in the server")
+    p.add_argument("--json", default=None, help="also write every figure here")
+    p.set_defaults(max_num_seqs=32)
+
+
+def _streams(text: str) -> list[int]:
+    try:
+        counts = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--streams must be comma-separated integers, got {text!r}") from None
+    if not counts or counts[0] < 1:
+        raise ValueError(f"--streams {text!r}: every count must be >= 1")
+    return counts
+
+
+def run_serve_bench(args: argparse.Namespace, build_llm: Callable[..., LLM],
+                    engine_argv: list[str]) -> int:
+    """``engine_argv``: the engine flags of this command, handed to `rung serve`."""
+    counts = _streams(args.streams)
+    if counts[-1] > args.max_num_seqs:
+        raise ValueError(f"--streams {counts[-1]} exceeds --max-num-seqs {args.max_num_seqs}: "
+                         "the engine would queue streams generate runs at once")
+    for name in ("input_len", "output_len", "rounds"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    torch.set_num_threads(args.threads)
+    env = environment(args)
+    start = time.monotonic()
+    llm = build_llm(args)
+    vocab = llm.engine.runner.vocab_size
+    # NOTE: a SIGTERM to the bench unwinds through `finally`, so the server goes too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    server = _ServerProcess(engine_argv, args.threads)
+    records = []
+    try:
+        warm = _prompts(0, 2, args.input_len, vocab)
+        _generate_round(llm, warm, 4)
+        asyncio.run(_serve_round(server.port, warm, 4))
+        for count in counts:
+            rounds: list[tuple[dict, dict]] = []
+            for r in range(args.rounds):
+                if time.monotonic() - start > args.time_cap:
+                    break
+                prompts = _prompts(1000 * count + r + 1, count, args.input_len, vocab)
+                gen = _generate_round(llm, prompts, args.output_len)
+                srv = asyncio.run(_serve_round(server.port, prompts, args.output_len))
+                rounds.append((gen, srv))
+            if rounds:
+                records.append(_record(count, rounds))
+                print(_line(records[-1]), flush=True)
+    finally:
+        server.stop()
+    env["loadavg_end"] = loadavg()
+    print(f"model {args.model}: input {args.input_len}, output {args.output_len}, "
+          f"{args.rounds} rounds per stream count (generate, serve interleaved), "
+          f"{args.threads} torch thread(s), {time.monotonic() - start:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "records": records}, f, indent=2)
+    return 0
+
+
+def _prompts(seed: int, count: int, input_len: int, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (count, input_len), generator=gen).tolist()
+
+
+def _params(output_len: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+
+
+# --- LLM.generate ------------------------------------------------------------------------
+def _generate_round(llm: LLM, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    """One `LLM.generate` of every prompt; token times come from a step listener."""
+    times: dict[str, list[float]] = {}
+
+    def listen(result) -> None:
+        now = time.perf_counter()
+        for rid, tokens in result.sampled.items():
+            times.setdefault(rid, []).extend([now] * len(tokens))
+
+    remove = llm.engine.add_step_listener(listen)
+    try:
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(output_len),
+                            use_tqdm=False)
+        wall = time.perf_counter() - t0
+    finally:
+        remove()
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return _round(wall, num_tokens, t0, [(t, len(t)) for t in times.values()])
+
+
+# --- the server ----------------------------------------------------------------------------
+class _ServerProcess:
+    def __init__(self, engine_argv: list[str], threads: int) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads),
+               "RUNG_LOGGING_LEVEL": os.environ.get("RUNG_LOGGING_LEVEL", "WARNING")}
+        self.proc = subprocess.Popen([sys.executable, "-m", "rung.cli.main", "serve",
+                                      *engine_argv, "--port", str(self.port)], env=env)
+        deadline = time.monotonic() + 600
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"rung serve exited with {self.proc.returncode}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5)
+                return
+            except (urllib.error.URLError, ConnectionError):
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("rung serve did not start in 600 s") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+async def _serve_round(port: int, prompts: list[list[int]], output_len: int
+                       ) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*[_stream(port, p, output_len) for p in prompts])
+    wall = time.perf_counter() - t0
+    return _round(wall, sum(n for n, _ in results), t0, [(t, n) for n, t in results])
+
+
+async def _stream(port: int, prompt: list[int], output_len: int) -> tuple[int, list[float]]:
+    """One streamed completion over a bare HTTP/1.1 connection: (completion tokens from
+    usage, the arrival time of every chunk)."""
+    body = json.dumps({"prompt": prompt, "max_tokens": output_len, "temperature": 0,
+                       "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\nConnection: close\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    await writer.drain()
+    status = await reader.readline()
+    if b" 200 " not in status:
+        raise RuntimeError(f"rung serve answered {status!r}: {await reader.read()!r}")
+    while (await reader.readline()).strip():
+        pass                                    # headers
+    times: list[float] = []
+    num_tokens = 0
+    async for event in _sse(reader):
+        if event == "[DONE]":
+            break
+        data = json.loads(event)
+        if data.get("usage"):
+            num_tokens = data["usage"]["completion_tokens"]
+        if data.get("choices"):         # a chunk per delta of tokens, text or not
+            times.append(time.perf_counter())
+    writer.close()
+    return num_tokens, times
+
+
+async def _sse(reader: asyncio.StreamReader):
+    """`data:` payloads of a chunked event stream."""
+    buffer = b""
+    while True:
+        size = int((await reader.readline()).strip(), 16)
+        if size == 0:
+            return
+        buffer += (await reader.readexactly(size + 2))[:-2]     # the chunk, then CRLF
+        *events, buffer = buffer.split(b"\n\n")
+        for e in events:
+            if e.startswith(b"data: "):
+                yield e[6:].decode()
+
+
+# --- figures ------------------------------------------------------------------------------
+def _round(wall: float, num_tokens: int, t0: float,
+           token_times: list[tuple[list[float], int]]) -> dict[str, Any]:
+    """tokens/s, and each stream's TTFT and mean inter-token latency; ``token_times``:
+    per stream, the arrival times of its outputs and its number of tokens."""
+    ttft = [t[0] - t0 for t, _ in token_times if t]
+    # NOTE: per token, as vLLM's TPOT: a stream's chunks may carry several tokens each
+    itl = [(t[-1] - t[0]) / (n - 1) for t, n in token_times if t and n > 1]
+    return {"wall_s": wall, "num_tokens": num_tokens, "tokens_per_s": num_tokens / wall,
+            "ttft": ttft, "itl": itl}
+
+
+def _record(count: int, rounds: list[tuple[dict, dict]]) -> dict[str, Any]:
+    rec: dict[str, Any] = {"streams": count, "rounds": len(rounds)}
+    for i, name in enumerate(("generate", "serve")):
+        part = [r[i] for r in rounds]
+        rec[f"{name}_tokens_per_s"] = statistics.median(p["tokens_per_s"] for p in part)
+        rec[f"{name}_num_tokens"] = sum(p["num_tokens"] for p in part)
+        rec.update(percentiles_ms([x for p in part for x in p["ttft"]], f"{name}_ttft"))
+        itl = [x for p in part for x in p["itl"]]
+        if itl:
+            rec.update(percentiles_ms(itl, f"{name}_itl"))
+    # NOTE: the overhead is the median over rounds of each round's own ratio (A B pairs)
+    rec["serve_overhead_per_round"] = [1 - srv["tokens_per_s"] / gen["tokens_per_s"]
+                                       for gen, srv in rounds]
+    rec["serve_overhead"] = statistics.median(rec["serve_overhead_per_round"])
+    return rec
+
+
+def _line(r: dict[str, Any]) -> str:
+    itl = lambda name: f"{r.get(f'{name}_itl_ms_p50', float('nan')):6.1f}"  # noqa: E731
+    return (f"{r['streams']:>3} streams: tokens/s generate {r['generate_tokens_per_s']:8.1f}"
+            f" serve {r['serve_tokens_per_s']:8.1f} (overhead {100 * r['serve_overhead']:+.1f}%)"
+            f" | TTFT p50 ms generate {r['generate_ttft_ms_p50']:7.1f} serve "
+            f"{r['serve_ttft_ms_p50']:7.1f} | ITL p50 ms generate {itl('generate')} serve "
+            f"{itl('serve')}")

@@ -1,0 +1,219 @@
+"""OpenAI request bodies -> prompts and ``SamplingParams``; outputs -> OpenAI response bodies.
+
+The field names and defaults are OpenAI's (`max_tokens` 16 for completions, up to the
+context for chat), plus vLLM's extras (`top_k`, `min_tokens`, `ignore_eos`,
+`stop_token_ids`, `include_stop_str_in_output`). A field SamplingParams does not have yet
+(`presence_penalty`, ...) passes through when SamplingParams accepts it, is ignored at its
+neutral value, and is a 400 naming the field otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rung.runtime import CompletionOutput, Logprob, SamplingParams
+
+
+class BadRequest(ValueError):
+    """A 400 whose body names ``param``."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    # vLLM's extras
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+
+
+# fields SamplingParams may grow (another wave adds them); the value that changes nothing
+_NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+            "min_p": 0.0, "logit_bias": None, "response_format": None, "tools": None,
+            "tool_choice": None, "parallel_tool_calls": None, "length_penalty": 1.0}
+_IGNORED = {"user", "metadata", "store", "service_tier"}
+
+
+def sampling_params(req: _Sampling, max_tokens: int | None, logprobs: int | None
+                    ) -> SamplingParams:
+    """The request's SamplingParams; ValueError names the field."""
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "n": req.n, "stop": req.stop,
+                              "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens,
+                              "stop_token_ids": req.stop_token_ids or [],
+                              "include_stop_str_in_output": req.include_stop_str_in_output,
+                              "logprobs": logprobs, "seed": req.seed}
+    for name in ("temperature", "top_p", "top_k"):
+        if getattr(req, name) is not None:
+            kwargs[name] = getattr(req, name)
+    for name, value in (req.model_extra or {}).items():
+        if name in _IGNORED or value is None:
+            continue
+        if name in fields and name != "output_kind":
+            kwargs[name] = value
+        elif name in _NEUTRAL and value == _NEUTRAL[name]:
+            continue
+        elif name in _NEUTRAL:
+            raise BadRequest(f"{name}={value!r} is not supported by this server yet", name)
+        # NOTE: other unknown fields are ignored, as OpenAI-compatible servers do
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise BadRequest(str(e), param_of(str(e))) from None
+    except TypeError as e:
+        raise BadRequest(str(e)) from None
+
+
+def param_of(message: str) -> str | None:
+    """The field an engine error names: 'SamplingParams.max_tokens=0 ...' -> max_tokens,
+    'prompt has 9 tokens, ...' -> prompt."""
+    if message.startswith("stop token id"):
+        return "stop_token_ids"
+    m = re.match(r"(?:SamplingParams\.)?(\w+)[= ]", message)
+    return m.group(1) if m is not None else None
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | dict]:
+    """OpenAI's four prompt shapes -> one engine prompt each."""
+    if req.echo:
+        raise BadRequest("echo=true is not supported", "echo")
+    if req.suffix:
+        raise BadRequest("suffix is not supported", "suffix")
+    if req.best_of not in (None, req.n):
+        raise BadRequest(f"best_of={req.best_of} is not supported (only best_of == n)",
+                         "best_of")
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise BadRequest("prompt is empty", "prompt")
+    if all(isinstance(t, int) for t in p):
+        return [{"prompt_token_ids": list(p)}]
+    return [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the chat template reads them; content parts other than text -> 400."""
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(part.get("type") != "text" for part in content):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported",
+                                 "messages")
+            content = "".join(part.get("text", "") for part in content)
+        out.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
+    return out
+
+
+def error_body(message: str, code: int, param: str | None = None) -> dict[str, Any]:
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+            500: "InternalServerError", 503: "ServiceUnavailableError"}.get(code, "Error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# --- responses --------------------------------------------------------------------------------
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+def completion_logprobs(c: CompletionOutput, text_offset: int) -> dict[str, Any] | None:
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    if c.logprobs is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for token_id, entries in zip(c.token_ids, c.logprobs):
+        sampled = entries[token_id]
+        text = _token_text(sampled, token_id)
+        tokens.append(text)
+        token_lps.append(sampled.logprob)
+        top: dict[str, float] = {}
+        for t, lp in _by_rank(entries):        # NOTE: tokens that decode alike keep the best
+            top.setdefault(_token_text(lp, t), lp.logprob)
+        tops.append(top)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(c: CompletionOutput, num_top: int) -> dict[str, Any] | None:
+    """The chat shape: one entry per token with its top ``num_top`` alternatives."""
+    if c.logprobs is None:
+        return None
+    content = []
+    for token_id, entries in zip(c.token_ids, c.logprobs):
+        sampled = entries[token_id]
+        text = _token_text(sampled, token_id)
+        top = [{"token": _token_text(lp, t), "logprob": lp.logprob,
+                "bytes": list(_token_text(lp, t).encode())}
+               for t, lp in _by_rank(entries) if lp.rank <= num_top][:num_top]
+        content.append({"token": text, "logprob": sampled.logprob,
+                        "bytes": list(text.encode()), "top_logprobs": top})
+    return {"content": content}
+
+
+def _by_rank(entries: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    return sorted(entries.items(), key=lambda kv: kv[1].rank)
+
+
+def _token_text(lp: Logprob, token_id: int) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
+
+
+def now() -> int:
+    return int(time.time())
