@@ -16,7 +16,7 @@ The layering (each node may import only the nodes listed for it):
     runtime  -> graphs, models, kernels, core
                                      runtime/*.py: what every room shares (config, sampling
                                      params, outputs, detokenizer, logging); runtime/ROOM/
-                                     and runtime/engine.py are nodes of their own:
+                                     are nodes of their own:
       runtime/sched  -> runtime, core           scheduler, KV cache manager, requests
       runtime/dist   -> runtime, core           data parallel groups, collectives
       runtime/worker -> runtime/sched and below model runner, input batch, samplers
@@ -73,7 +73,7 @@ Edge = tuple[str, str, str]          # (importing node, imported node, "file imp
 
 
 def _node(path: str) -> str:
-    """runtime/api/llm.py -> 'runtime/api', runtime/engine.py -> 'runtime/engine',
+    """runtime/api/llm.py -> 'runtime/api', runtime/engine/x.py -> 'runtime/engine',
     runtime/config.py -> 'runtime', graphs/manager.py -> 'graphs'."""
     parts = path.removesuffix(".py").split("/")
     if parts[0] == "runtime" and len(parts) > 1 and parts[1] in ROOMS:

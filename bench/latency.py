@@ -25,6 +25,7 @@ from rung.bench.latency_plan import (
     LatencyPlan,
     engine_namespace,
     make_plan,
+    require,
 )
 from rung.bench.report import environment, format_table, loadavg, plot_latency
 from rung.bench.stats import percentiles_ms
@@ -158,14 +159,15 @@ def ladder_padding_waste(padded_size: Any, max_num_reqs: int, decode_len: int = 
 
 
 # --- baselines ---------------------------------------------------------------------------
-def hf_stats(rounds: list[Any], num_reqs: int,
-             rung_tokens: list[list[list[int]]]) -> dict[str, Any]:
+def hf_stats(rounds: list[Any], num_reqs: int, rung_tokens: list[list[list[int]]],
+             prefix: str = "hf") -> dict[str, Any]:
+    """A baseline's stats under ``prefix`` ("hf" or "llamacpp")."""
     steps = [s for r in rounds for s in r.step_s]
-    stats = percentiles_ms(steps, "hf_step")
+    stats = percentiles_ms(steps, f"{prefix}_step")
     return {**{k: v for k, v in stats.items() if not k.endswith("_mean")},
-            "hf_tokens_per_s": num_reqs * len(steps) / sum(steps),
-            "hf_ttft_ms": 1e3 * sorted(r.ttft_s for r in rounds)[len(rounds) // 2],
-            "hf_token_match": _token_match(rounds[-1].token_ids, rung_tokens)}
+            f"{prefix}_tokens_per_s": num_reqs * len(steps) / sum(steps),
+            f"{prefix}_ttft_ms": 1e3 * sorted(r.ttft_s for r in rounds)[len(rounds) // 2],
+            f"{prefix}_token_match": _token_match(rounds[-1].token_ids, rung_tokens)}
 
 
 def _token_match(hf_tokens: list[list[int]], rung_tokens: list[list[list[int]]]) -> float:
@@ -181,6 +183,8 @@ def _token_match(hf_tokens: list[list[int]], rung_tokens: list[list[list[int]]])
 def _add_ratios(record: dict[str, Any]) -> None:
     hf, floor = record.get("hf_step_ms_p50"), record.get("floor_step_ms_p50")
     record["rung_over_hf"] = record["step_ms_p50"] / hf if hf else None
+    lcpp = record.get("llamacpp_step_ms_p50")
+    record["rung_over_llamacpp"] = record["step_ms_p50"] / lcpp if lcpp else None
     record["rung_over_floor"] = record["step_ms_p50"] / floor if floor else None
 
 
@@ -199,15 +203,19 @@ class _Run:
         self.modes: list[dict[str, Any]] = []
         self.engines: dict[str, LLMEngine] = {}
         self.hf: torch.nn.Module | None = None
-        num_cells = len(plan.num_reqs_list) * (len(plan.modes) + (plan.baseline == "hf"))
+        self.llamacpp: Any = None          # llamacpp_baseline.LlamaCppModel
+        num_cells = len(plan.num_reqs_list) * (len(plan.modes) + (plan.baseline != "none"))
         self.bar = tqdm(total=num_cells, desc="bench latency", unit="cell", file=sys.stderr)
 
     @property
     def order(self) -> list[str]:
         """What one measured round runs, in order."""
-        return self.plan.modes + (["hf"] if self.plan.baseline == "hf" else []) + ["floor"]
+        baseline = [] if self.plan.baseline == "none" else [self.plan.baseline]
+        return self.plan.modes + baseline + ["floor"]
 
     def build(self) -> None:
+        if self.plan.baseline == "llama.cpp":
+            self._build_llamacpp()
         for label in self.plan.modes:
             self.bar.set_postfix_str(f"{label}: building engine")
             ns = engine_namespace(self.args, self.plan, label)
@@ -227,8 +235,29 @@ class _Run:
                 self.bar.set_postfix_str("hf: converting weights")
                 self.hf = hf_model_from_rung(loaded.model, loaded.config)
 
-    def run_cell(self, num_reqs: int) -> None:
+    def _build_llamacpp(self) -> None:
+        from rung.bench.llamacpp_baseline import LlamaCppModel, require_llama_cpp
+
+        require_llama_cpp()
+        path = resolve_model_path(self.args.model)
+        require(is_gguf(path) and self.args.load_format != "dummy",
+                 f"--baseline llama.cpp runs a GGUF file's own weights; {self.args.model!r} "
+                 "is not a GGUF file (or --load-format dummy replaces its weights)")
+        self.bar.set_postfix_str("llama.cpp: loading the GGUF file")
+        ns = engine_namespace(self.args, self.plan, self.plan.modes[0])
+        self.llamacpp = LlamaCppModel(path, self.plan.max_num_reqs, ns.max_model_len,
+                                      torch.get_num_threads())
+
+    def _baseline_round(self, prompts: list[list[int]], output_len: int) -> Any:
         from rung.bench.hf_baseline import hf_generate_round
+
+        if self.hf is not None:
+            return hf_generate_round(self.hf, prompts, output_len)
+        if self.llamacpp is not None:
+            return self.llamacpp.generate_round(prompts, output_len)
+        return None
+
+    def run_cell(self, num_reqs: int) -> None:
 
         plan = self.plan
         first = next(iter(self.engines.values()))
@@ -239,8 +268,7 @@ class _Run:
             for label, engine in self.engines.items():
                 rung_round(engine, _warmup_prompts(prompts), min(plan.output_len, 4),
                            f"{label}-{num_reqs}-w{i}")
-            if self.hf is not None:
-                hf_generate_round(self.hf, _warmup_prompts(prompts), min(plan.output_len, 4))
+            self._baseline_round(_warmup_prompts(prompts), min(plan.output_len, 4))
         rounds: dict[str, list[RungRound]] = {label: [] for label in self.engines}
         hf_rounds, floor_s = [], []
         for i in range(plan.iters):
@@ -248,13 +276,15 @@ class _Run:
             for label, engine in self.engines.items():
                 rounds[label].append(rung_round(engine, prompts, plan.output_len,
                                                 f"{label}-{num_reqs}-{i}"))
-            if self.hf is not None:
-                hf_rounds.append(hf_generate_round(self.hf, prompts, plan.output_len))
+            baseline_round = self._baseline_round(prompts, plan.output_len)
+            if baseline_round is not None:
+                hf_rounds.append(baseline_round)
             floor_s += floor.time_steps(plan.output_len - 1)
         shared = floor_stats(floor, floor_s)
         if hf_rounds:
             tokens = [r[-1].token_ids for r in rounds.values()]
-            shared.update(hf_stats(hf_rounds, num_reqs, tokens))
+            prefix = "hf" if self.hf is not None else "llamacpp"
+            shared.update(hf_stats(hf_rounds, num_reqs, tokens, prefix))
             self.bar.update(1)
         for label, engine in self.engines.items():
             record = rung_record(engine, plan, label, num_reqs, rounds[label])

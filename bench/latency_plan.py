@@ -19,7 +19,7 @@ from rung.core.graph_mode import CUDAGraphMode
 # (the piecewise column reports piecewise capture separately).
 MODE_POLICIES: dict[str, str | None] = {"none": None, "piecewise": "piecewise",
                                         "full": "full_decode_only"}
-BASELINES = ("none", "hf")
+BASELINES = ("none", "hf", "llama.cpp")
 
 
 @dataclasses.dataclass
@@ -56,7 +56,8 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
                    help="measured rounds per cell (each gives output-len - 1 decode steps)")
     p.add_argument("--warmup-iters", type=int, default=1, help="untimed rounds per cell")
     p.add_argument("--baseline", default="none", choices=BASELINES,
-                   help="also time HF transformers generate on the same weights")
+                   help="also time HF transformers generate on the same weights, or "
+                        "llama.cpp (pip install 'rung[llamacpp]') on the same GGUF file")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", default=None, help="write env + one record per cell here")
     p.add_argument("--plot", default=None, help="draw latency vs requests to this image")
@@ -86,32 +87,32 @@ def _modes(text: str) -> list[str]:
     return labels
 
 
-def _require(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
 
 
 def make_plan(args: argparse.Namespace) -> LatencyPlan:
     """Validate the arguments; every error a user can cause is a ValueError."""
-    _require(not args.enforce_eager and not args.mode,
+    require(not args.enforce_eager and not args.mode,
              "rung bench latency takes --modes (e.g. none,full), not --mode / --enforce-eager")
-    _require(args.input_len >= 1, f"--input-len must be >= 1, got {args.input_len}")
-    _require(args.output_len >= 2, f"--output-len must be >= 2 (one decode step), "
+    require(args.input_len >= 1, f"--input-len must be >= 1, got {args.input_len}")
+    require(args.output_len >= 2, f"--output-len must be >= 2 (one decode step), "
              f"got {args.output_len}")
-    _require(args.iters >= 1, f"--iters must be >= 1, got {args.iters}")
-    _require(args.warmup_iters >= 0, f"--warmup-iters must be >= 0, got {args.warmup_iters}")
-    _require(args.threads is None or args.threads >= 1, f"--threads must be >= 1, "
+    require(args.iters >= 1, f"--iters must be >= 1, got {args.iters}")
+    require(args.warmup_iters >= 0, f"--warmup-iters must be >= 0, got {args.warmup_iters}")
+    require(args.threads is None or args.threads >= 1, f"--threads must be >= 1, "
              f"got {args.threads}")
     plan = LatencyPlan(_positive_ints(args.batch_sizes, "--batch-sizes"), _modes(args.modes),
                        args.input_len, args.output_len, args.iters, args.warmup_iters,
                        args.baseline)
-    _require(args.max_num_seqs is None or args.max_num_seqs >= plan.max_num_reqs,
+    require(args.max_num_seqs is None or args.max_num_seqs >= plan.max_num_reqs,
              f"--max-num-seqs {args.max_num_seqs} is below the largest batch size "
              f"{plan.max_num_reqs}")
     need = plan.input_len + plan.output_len
-    _require(args.max_model_len is None or args.max_model_len >= need,
+    require(args.max_model_len is None or args.max_model_len >= need,
              f"--max-model-len {args.max_model_len} is below input + output = {need}")
-    _require(not args.plot or importlib.util.find_spec("matplotlib") is not None,
+    require(not args.plot or importlib.util.find_spec("matplotlib") is not None,
              "--plot needs matplotlib: pip install 'rung[plot]'")
     return plan
 

@@ -18,6 +18,8 @@ _COLUMNS = [  # (header, record key, format spec, scale)
     ("graph", "graph", ">10", None), ("cap_ms", "capture_ms", ">7.0f", None),
     ("cap_KiB", "capture_bytes", ">8.0f", 1 / 1024),
     ("hf_p50", "hf_step_ms_p50", ">7.2f", None), ("rung/hf", "rung_over_hf", ">7.2f", None),
+    ("lcpp_p50", "llamacpp_step_ms_p50", ">8.2f", None),
+    ("rung/lcpp", "rung_over_llamacpp", ">9.2f", None),
     ("floor_p50", "floor_step_ms_p50", ">9.2f", None),
     ("rung/floor", "rung_over_floor", ">10.2f", None),
 ]

@@ -38,7 +38,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy: random weights for a folder's config.json (no weight files)")
     p.add_argument("--dtype", default="auto",
-                   help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
+                   help="auto (bfloat16 on CUDA or with --quantization, else float32), "
+                        "float32, bfloat16, float16")
+    p.add_argument("--quantization", default=None, choices=["gguf"],
+                   help="gguf: a GGUF file's Q4_0 / Q4_1 weights stay int4 (bfloat16 "
+                        "activations); without it every weight is dequantized to --dtype")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling generator")
     p.add_argument("--max-num-seqs", type=int, default=16,
@@ -128,6 +132,7 @@ def build_llm(args: argparse.Namespace, capture_progress: Callable | None = None
                enforce_eager=args.enforce_eager, compilation_config=compilation,
                attention_backend=args.attention_backend,
                speculative_config=speculative_config(args), load_format=args.load_format,
+               quantization=getattr(args, "quantization", None),
                debug_padding=args.debug_padding or None, capture_progress=capture_progress,
                data_parallel_size=args.data_parallel_size,
                data_parallel_timeout_s=args.data_parallel_timeout_s,

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from rung.kernels.int4 import Int4Weight
+
 logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
@@ -174,16 +176,28 @@ class GGUFModel:
                 raise ValueError(f"GGUF tensor {t.name!r} is quantized as "
                                  f"{t.tensor_type.name}; rung reads {', '.join(supported)}")
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, fp32 tensor in HF layout) for every tensor of the file."""
+    def tensor_types(self) -> dict[str, str]:
+        """HF name -> GGUF type name (``F32``, ``Q4_1``, ...) of every tensor of the file."""
+        return {self._hf_name(t.name): t.tensor_type.name for t in self.reader.tensors
+                if not (self.arch == "gemma4" and t.name == "rope_freqs.weight")}
+
+    def weights(self, int4_names: frozenset[str] = frozenset()
+                ) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
+        """(HF name, tensor in HF layout) for every tensor of the file: an ``Int4Weight``
+        for the Q4_0 / Q4_1 tensors named in ``int4_names``, fp32 for every other."""
         for t in self.reader.tensors:
             if self.arch == "gemma4" and t.name == "rope_freqs.weight":
                 continue            # NOTE: read into the config as the partial rotary factor
             name = self._hf_name(t.name)
-            array = dequantize(t.data, t.tensor_type.name, _numpy_shape(t))
+            shape = _numpy_shape(t)
+            data = t.data
             if self.arch in _PERMUTED_QK_ARCHS:
-                array = self._unpermute_qk(name, array)
-            array = np.ascontiguousarray(array, dtype=np.float32)
+                data = self._unpermute_qk(name, data)
+            if name in int4_names:
+                yield name, int4_weight(data, t.tensor_type.name, shape)
+                continue
+            array = np.ascontiguousarray(dequantize(data, t.tensor_type.name, shape),
+                                         dtype=np.float32)
             yield name, torch.from_numpy(array if array.flags.writeable else array.copy())
 
     def _hf_name(self, name: str) -> str:
@@ -200,8 +214,9 @@ class GGUFModel:
         raise ValueError(f"GGUF tensor {name!r} has no counterpart in rung's "
                          f"{self.config['model_type']} model")
 
-    def _unpermute_qk(self, name: str, array: np.ndarray) -> np.ndarray:
-        """Undo llama.cpp's q/k row permutation (interleaved -> half-split rope pairs).
+    def _unpermute_qk(self, name: str, data: np.ndarray) -> np.ndarray:
+        """Undo llama.cpp's q/k row permutation (interleaved -> half-split rope pairs) on
+        a tensor's raw rows (each row's blocks move whole, quantized or not).
 
         llama.cpp stores each head's rows as (d/2 pairs, 2) where HF has (2, d/2):
         rows [0, d/2, 1, d/2+1, ...] -> [0, 1, ..., d-1] per head.
@@ -211,10 +226,10 @@ class GGUFModel:
         elif ".self_attn.k_proj." in name:
             num_heads = self.config["num_key_value_heads"]
         else:
-            return array
-        rows = array.shape[0]
-        return (array.reshape(num_heads, rows // num_heads // 2, 2, *array.shape[1:])
-                .swapaxes(1, 2).reshape(array.shape))
+            return data
+        rows = data.shape[0]
+        return (data.reshape(num_heads, rows // num_heads // 2, 2, *data.shape[1:])
+                .swapaxes(1, 2).reshape(data.shape))
 
     # --- tokenizer ------------------------------------------------------------------------
     def tokenizer(self):
@@ -291,6 +306,31 @@ def dequantize_numpy(data: np.ndarray, type_name: str) -> np.ndarray:
         return (d * (q - 8.0)).reshape(-1)
     m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
     return (d * q + m).reshape(-1)
+
+
+# Types whose blocks are the int4 kernel's groups as they are (Q4_0: zero 0; Q4_1: zero
+# m + 8 d, since d * q + m = d * (q - 8) + (m + 8 d)).
+INT4_TYPES = ("Q4_0", "Q4_1")
+
+
+def int4_weight(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Int4Weight:
+    """Raw Q4_0 / Q4_1 data of a matrix ``shape`` [N, K] -> its ``Int4Weight``, losslessly
+    (``int4_reference`` of it is ``dequantize`` of the same data)."""
+    if type_name not in INT4_TYPES or len(shape) != 2:
+        raise ValueError(f"int4 weights come from 2-D {' / '.join(INT4_TYPES)} tensors, "
+                         f"not a {len(shape)}-D {type_name} one")
+    num_rows, num_cols = shape
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, _BLOCK_BYTES[type_name])
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]      # [num_blocks]
+    packed = blocks[:, -16:]                                                 # [nb, 16]
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=1)                 # [nb, 32]
+    if type_name == "Q4_0":
+        zero = np.zeros_like(d)
+    else:
+        zero = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0] + 8.0 * d
+    groups = (num_rows, num_cols // 32)
+    return Int4Weight(torch.from_numpy(q.reshape(num_rows, num_cols)),
+                      torch.from_numpy(d.reshape(groups)), torch.from_numpy(zero.reshape(groups)))
 
 
 # --- tokenizer --------------------------------------------------------------------------

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from rung.kernels.int4 import ACTIVATION_DTYPE, Int4Weight, int4_mm, pack_int4
+
 
 class RMSNorm(nn.Module):
     """HF-exact RMSNorm: normalise in fp32, scale by ``weight + weight_offset``."""
@@ -45,6 +47,83 @@ class MergedLinear(nn.Linear):
         param.data[start:start + size].copy_(loaded)
 
 
+class Int4Linear(nn.Module):
+    """A linear layer (no bias) whose weight stays int4, run by torch's int4 kernel.
+
+    Stands in for ``nn.Linear`` / ``MergedLinear`` when a checkpoint holds the weight in
+    int4 groups (GGUF Q4_0 / Q4_1): each shard arrives as an ``Int4Weight`` through
+    ``load_int4``, and ``pack`` turns the whole [out, in] weight into the device kernel's
+    layout once every shard is in. No dequantized copy is ever made.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: list[int]) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, sum(shard_sizes)
+        self.shard_sizes = shard_sizes
+        self._pending: dict[int, Int4Weight] = {}
+        self.register_buffer("packed", None)             # the kernel's layout, uint8
+        self.register_buffer("scales_and_zeros", None)   # [in // 32, out, 2] bf16
+
+    @classmethod
+    def replacing(cls, linear: nn.Linear) -> Int4Linear:
+        if linear.bias is not None:
+            raise ValueError("Int4Linear replaces linear layers without bias only")
+        sizes = getattr(linear, "shard_sizes", [linear.out_features])
+        return cls(linear.in_features, list(sizes))
+
+    def load_int4(self, weight: Int4Weight, shard: int | None) -> None:
+        index = 0 if shard is None else shard
+        want = (self.shard_sizes[index], self.in_features)
+        if weight.shape != want:
+            raise ValueError(f"int4 checkpoint shard {index} has shape {weight.shape}, the "
+                             f"layer expects {want}")
+        self._pending[index] = weight
+
+    def pack(self, device: torch.device) -> None:
+        missing = sorted(set(range(len(self.shard_sizes))) - set(self._pending))
+        if missing:
+            raise ValueError(f"int4 layer lacks checkpoint shards {missing}")
+        shards = [self._pending[i] for i in range(len(self.shard_sizes))]
+        self.packed, self.scales_and_zeros = pack_int4(shards, torch.device(device))
+        self._pending.clear()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != ACTIVATION_DTYPE:
+            raise ValueError(f"int4 linear layers take {ACTIVATION_DTYPE} activations, "
+                             f"got {x.dtype}")
+        rows = x.reshape(-1, self.in_features)                     # [M, in]
+        out = int4_mm(rows, self.packed, self.scales_and_zeros)    # [M, out]
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def use_int4_linears(model: nn.Module, names: set[str]) -> int:
+    """Replace the linear modules ``names`` of ``model`` by ``Int4Linear``; how many."""
+    for name in sorted(names):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, Int4Linear.replacing(getattr(parent, child)))
+    return len(names)
+
+
+def tied_head_fp32_t(model: nn.Module) -> torch.Tensor | None:
+    """W^T [hidden, vocab] fp32 of a tied ``lm_head``, taken before the model is cast to
+    bf16 (``lm_head_logits`` then computes fp32 logits from it: bf16 logits round 16-32
+    to steps of 0.125 and tie greedy choices, and torch's bf16 GEMV on AVX2 is no faster
+    than fp32: SmolLM2's head at 1 row 29.8 vs 28.6 ms, ``x @ W^T`` in bf16 624 ms)."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or head.weight is not embed.weight:
+        return None
+    return head.weight.detach().float().t().contiguous()
+
+
+def pack_int4_linears(model: nn.Module, device: torch.device | str) -> None:
+    """Pack every ``Int4Linear`` of ``model`` for ``device`` once its weights are loaded."""
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.pack(torch.device(device))
+
+
 def pretranspose_linear_weights(model: nn.Module) -> int:
     """Store every untied ``nn.Linear`` weight as W^T in memory; returns how many changed.
 
@@ -59,7 +138,8 @@ def pretranspose_linear_weights(model: nn.Module) -> int:
     changed = 0
     head = getattr(model, "lm_head", None)
     if (getattr(model, "transposed_tied_head", False) and id(head.weight) in tied
-            and head.weight.numel() <= MAX_TRANSPOSED_HEAD_NUMEL):
+            and head.weight.numel() <= MAX_TRANSPOSED_HEAD_NUMEL
+            and getattr(head, "weight_t", None) is None):
         head.register_buffer("weight_t", head.weight.detach().t().contiguous(),
                              persistent=False)                  # [hidden, vocab]
     for module in model.modules():
@@ -84,6 +164,8 @@ def lm_head_logits(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [num_rows, hidden] -> logits [num_rows, vocab] fp32 through ``head``, or its
     W^T copy (``weight_t``, see ``pretranspose_linear_weights``) for a few rows."""
     weight_t = getattr(head, "weight_t", None)
+    if weight_t is not None and weight_t.dtype != hidden.dtype:
+        return hidden.to(weight_t.dtype) @ weight_t      # an fp32 head under int4 layers
     if weight_t is not None and hidden.shape[0] <= MAX_ROWS_TRANSPOSED_HEAD:
         return (hidden @ weight_t).float()
     return head(hidden).float()

@@ -7,20 +7,34 @@ import dataclasses
 import functools
 import importlib.metadata
 import json
+import logging
 import os
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from rung.models.gguf import GGUFModel, is_gguf
-from rung.models.layers import init_random_weights, pretranspose_linear_weights
+from rung.kernels.int4 import ACTIVATION_DTYPE, check_packable
+from rung.models.gguf import INT4_TYPES, GGUFModel, is_gguf
+from rung.models.layers import (
+    STACKED_PARAMS,
+    MergedLinear,
+    init_random_weights,
+    pack_int4_linears,
+    pretranspose_linear_weights,
+    tied_head_fp32_t,
+    use_int4_linears,
+)
 from rung.models.presets import NAMED_FILES, PRESETS, TRAINED_PRESETS
 from rung.models.registry import model_class
 from rung.models.tokenizer import ByteTokenizer, load_tokenizer
 from rung.models.weights import iterate_safetensors
 
+logger = logging.getLogger(__name__)
+
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# None: every weight in ``dtype``; "gguf": a GGUF file's Q4_0 / Q4_1 linear weights stay int4
+QUANTIZATIONS = (None, "gguf")
 # Seeds of random weights: fixed per role, never the engine's sampling seed, so a preset is
 # one model (trained drafters are fitted to it) whatever seed a user samples with.
 WEIGHT_SEED, DRAFT_WEIGHT_SEED = 0, 1
@@ -123,12 +137,17 @@ def peek_model(model: str) -> tuple[dict, Any]:
 
 
 def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               load_format: str = "auto", seed: int = WEIGHT_SEED) -> LoadedModel:
+               load_format: str = "auto", seed: int = WEIGHT_SEED,
+               quantization: str | None = None) -> LoadedModel:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} not in {LOAD_FORMATS}")
+    check_quantization(quantization, dtype)
     path = resolve_model_path(model)
     if is_gguf(path):
-        return _load_gguf(path, model, dtype, device, load_format, seed)
+        return _load_gguf(path, model, dtype, device, load_format, seed, quantization)
+    if quantization is not None:
+        raise ValueError(f"quantization {quantization!r} serves GGUF files; {model!r} is not "
+                         "one")
     cfg, folder = resolve_config(path)
     cls = model_class(cfg)
     cfg = getattr(cls, "text_config", lambda c: c)(cfg)
@@ -185,6 +204,34 @@ def _trained_preset(model: str) -> str | None:
     return folder
 
 
+def _use_int4_layers(net: nn.Module, tensor_types: dict[str, str]) -> frozenset[str]:
+    """Make int4 every linear layer (fused ones included) whose GGUF tensors are all
+    Q4_0 / Q4_1; returns those tensors' HF names. Every other tensor is dequantized."""
+    by_layer: dict[str, dict[str, str]] = {}         # rung layer -> {HF name: GGUF type}
+    for hf_name, type_name in tensor_types.items():
+        layer = hf_name.removesuffix(".weight")
+        for fused, part, _ in STACKED_PARAMS:
+            layer = layer.replace(f".{part}", f".{fused}") if layer.endswith(part) else layer
+        by_layer.setdefault(layer, {})[hf_name] = type_name
+    chosen = {layer: parts for layer, parts in by_layer.items()
+              if _int4_layer(net, layer, parts)}
+    use_int4_linears(net, set(chosen))
+    logger.info("GGUF: %d linear layers run int4 (Q4_0 / Q4_1); %d other tensors are "
+                "dequantized", len(chosen), len(tensor_types) - sum(map(len, chosen.values())))
+    return frozenset(name for parts in chosen.values() for name in parts)
+
+
+def _int4_layer(net: nn.Module, layer: str, parts: dict[str, str]) -> bool:
+    try:
+        module = net.get_submodule(layer)
+    except AttributeError:
+        return False
+    return (type(module) in (nn.Linear, MergedLinear) and module.bias is None
+            and all(t in INT4_TYPES for t in parts.values())
+            and len(parts) == len(getattr(module, "shard_sizes", [None]))
+            and check_packable(module.out_features, module.in_features) is None)
+
+
 @functools.lru_cache(maxsize=2)
 def _open_gguf(path: str) -> GGUFModel:
     """Parsing a GGUF header takes seconds (every vocabulary string is a numpy view), so a
@@ -192,17 +239,35 @@ def _open_gguf(path: str) -> GGUFModel:
     return GGUFModel(path)
 
 
+def check_quantization(quantization: str | None, dtype: torch.dtype) -> None:
+    """A ValueError for an unknown quantization or a dtype its kernel cannot run."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not one of {QUANTIZATIONS}")
+    if quantization == "gguf" and dtype != ACTIVATION_DTYPE:
+        raise ValueError(f"quantization 'gguf' runs torch's int4 kernel, which takes "
+                         f"{ACTIVATION_DTYPE} activations; dtype {dtype} cannot run it "
+                         "(use dtype bfloat16 or auto, or leave quantization out to "
+                         "dequantize every weight)")
+
+
 def _load_gguf(path: str, name: str, dtype: torch.dtype, device: str, load_format: str,
-               seed: int) -> LoadedModel:
+               seed: int, quantization: str | None) -> LoadedModel:
     gguf_model = _open_gguf(path)
     cfg = gguf_model.config
     with torch.device("cpu"), _skip_random_init(load_format != "dummy"):
         net = model_class(cfg)(cfg)
+    int4_names: frozenset[str] = frozenset()
     if load_format == "dummy":
         init_random_weights(net, seed)
     else:
-        net.load_weights(gguf_model.weights())
+        if quantization == "gguf":
+            int4_names = _use_int4_layers(net, gguf_model.tensor_types())
+        net.load_weights(gguf_model.weights(int4_names))
+    head_t = tied_head_fp32_t(net) if int4_names else None
     net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if head_t is not None:
+        net.lm_head.register_buffer("weight_t", head_t.to(device), persistent=False)
+    pack_int4_linears(net, device)
     if torch.device(device).type == "cpu":
         pretranspose_linear_weights(net)
     return LoadedModel(net, cfg, gguf_model.tokenizer(), name, load_format == "dummy",

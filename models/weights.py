@@ -9,7 +9,10 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-WeightStream = Iterable[tuple[str, torch.Tensor]]
+from rung.kernels.int4 import Int4Weight
+
+# (HF name, tensor); an ``Int4Weight`` goes to the ``load_int4`` of its layer, unpacked
+WeightStream = Iterable[tuple[str, "torch.Tensor | Int4Weight"]]
 
 
 def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -47,6 +50,10 @@ def load_named_weights(model: nn.Module, weights: WeightStream,
             if f".{hf_part}." in name:
                 name, shard = name.replace(f".{hf_part}.", f".{merged}."), idx
                 break
+        if isinstance(tensor, Int4Weight):
+            _load_int4(model, hf_name, name, tensor, shard)
+            loaded.add(name)
+            continue
         if name not in params:
             raise ValueError(f"checkpoint tensor {hf_name!r} matches no parameter of "
                              f"{type(model).__name__}")
@@ -61,6 +68,18 @@ def load_named_weights(model: nn.Module, weights: WeightStream,
             owner.load_shard(param, tensor.to(param.dtype), shard)
         loaded.add(name)
     return loaded
+
+
+def _load_int4(model: nn.Module, hf_name: str, name: str, weight: Int4Weight,
+               shard: int | None) -> None:
+    try:
+        owner = model.get_submodule(name.rpartition(".")[0])
+    except AttributeError:
+        owner = None
+    if owner is None or not hasattr(owner, "load_int4"):
+        raise ValueError(f"checkpoint tensor {hf_name!r} is int4, but its layer in "
+                         f"{type(model).__name__} is not an int4 layer")
+    owner.load_int4(weight, shard)
 
 
 def check_all_loaded(model: nn.Module, loaded: set[str], tied: dict[str, str]) -> None:

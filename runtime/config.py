@@ -35,11 +35,13 @@ def parse_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype, device: torch.device,
+                quantization: str | None = None) -> torch.dtype:
+    """``quantization`` "gguf": "auto" is bfloat16, the int4 kernel's activation dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or quantization else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
@@ -142,6 +144,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     speculative: SpeculativeConfig | None = None
     load_format: str = "auto"
+    quantization: str | None = None        # "gguf": Q4_0 / Q4_1 weights stay int4
     data_parallel_size: int = 1
     data_parallel_timeout_s: float = 120.0    # a collective waiting longer fails the rank
     enable_prefix_caching: bool = True

@@ -58,3 +58,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # prompt_logprobs: None for the first prompt token, then one dict per prompt token
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

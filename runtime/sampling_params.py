@@ -36,6 +36,13 @@ class SamplingParams:
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # of `LLMEngine.step`
+    # vLLM's penalties: repetition (> 1 discourages) over prompt and output tokens,
+    # presence / frequency (> 0 discourage) over output tokens
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0              # drop tokens below min_p x the most likely one's probability
+    prompt_logprobs: int | None = None   # top-N logprobs per prompt token (plus the actual one)
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -50,13 +57,14 @@ class SamplingParams:
         return copy.deepcopy(self)
 
     def _check(self) -> None:
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "min_p"):
             value = getattr(self, name)
             _require(_is_number(value) and math.isfinite(value), name, value,
                      "a finite number")
         for name in ("top_k", "min_tokens", "n"):
             _require(_is_int(getattr(self, name)), name, getattr(self, name), "an integer")
-        for name in ("max_tokens", "seed", "logprobs"):
+        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _require(value is None or _is_int(value), name, value, "an integer or None")
         _require(self.n >= 1, "n", self.n, ">= 1")
@@ -81,6 +89,13 @@ class SamplingParams:
         _require(self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
         if self.logprobs is not None:
             _require(self.logprobs >= 0, "logprobs", self.logprobs, ">= 0")
+        if self.prompt_logprobs is not None:
+            _require(self.prompt_logprobs >= 0, "prompt_logprobs", self.prompt_logprobs, ">= 0")
+        _require(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
+                 "> 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _require(-2 <= getattr(self, name) <= 2, name, getattr(self, name), "in [-2, 2]")
+        _require(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
 
     @property
     def greedy(self) -> bool:

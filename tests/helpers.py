@@ -194,3 +194,12 @@ def hf_drafts(target, assistant, prompt: torch.Tensor, num_drafts: int
         tokens.append(int(token))
         logits.append(step.logits[0, 0])
     return tokens, torch.stack(logits)
+
+
+# --- host transfers ------------------------------------------------------------------------
+def conversions_in_steps(engine, add_requests) -> list[int]:
+    """Tensor-to-host conversions (tolist, item, cpu, numpy, int/float/bool) of each
+    ``engine.step()`` until every request added by ``add_requests(engine)`` finished."""
+    from rung.bench.host_syncs import conversions_per_step
+
+    return [sum(c.values()) for c in conversions_per_step(engine, add_requests)]

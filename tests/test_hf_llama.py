@@ -46,3 +46,28 @@ def test_eager_matches_hf(hf_model_dir):
     prompts = random_prompts(COMMON["vocab_size"])
     outs = _run(folder, prompts, enforce_eager=True)
     assert_matches_hf(hf_model, outs, prompts, NUM_TOKENS)
+
+
+@torch.no_grad()
+def test_prompt_logprobs_match_hf(hf_model_dir):
+    """prompt_logprobs under chunked prefill (a 32-token budget): None, then each prompt
+    token's logprob, rank and the top 2, as HF's logits give them; a second run of the
+    same prompt (its prefix cached) still reports every position."""
+    hf_model, folder = hf_model_dir
+    prompts = random_prompts(COMMON["vocab_size"], lens=[7, 51, 60])
+    llm = LLM(folder, dtype="float32", device="cpu", max_num_seqs=4,
+              max_num_batched_tokens=32, max_model_len=128, enforce_eager=True)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    for _ in range(2):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        for prompt, out in zip(prompts, outs):
+            lp = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+            got = out.prompt_logprobs
+            assert len(got) == len(prompt) and got[0] is None
+            for t in range(1, len(prompt)):
+                entry, want = got[t], lp[t - 1]
+                assert abs(entry[prompt[t]].logprob - float(want[prompt[t]])) <= 1e-4
+                assert entry[prompt[t]].rank == int((want > want[prompt[t]]).sum()) + 1
+                assert set(want.topk(2).indices.tolist()) <= set(entry)
+    assert llm.generate([{"prompt_token_ids": [5, 6]}],
+                        SamplingParams(max_tokens=1))[0].prompt_logprobs is None

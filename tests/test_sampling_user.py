@@ -97,7 +97,13 @@ def test_generate_progress_bar_on_by_default(llm, capsys):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"n": 0}, "n=0"), ({"stop": [""]}, "stop"), ({"seed": "abc"}, "seed='abc'"),
-    ({"temperature": "hot"}, "temperature='hot'")])
+    ({"temperature": "hot"}, "temperature='hot'"),
+    ({"repetition_penalty": 0.0}, r"repetition_penalty=0.0 .* > 0"),
+    ({"presence_penalty": 2.5}, r"presence_penalty=2.5 .* in \[-2, 2\]"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty=nan"),
+    ({"min_p": 1.5}, r"min_p=1.5 .* in \[0, 1\]"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs=-1"),
+    ({"prompt_logprobs": 1.5}, "prompt_logprobs=1.5")])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)

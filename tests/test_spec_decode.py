@@ -3,14 +3,12 @@
 import logging
 
 import pytest
-import torch
 
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.graph_mode import CUDAGraphMode
 from rung.runtime import LLM, SamplingParams
 from rung.runtime.sched.request import Request
-from rung.runtime.spec.ngram import NgramProposer
-from rung.runtime.worker.rejection_sampler import rejection_sample
+from rung.runtime.spec.proposer import NgramProposer
 
 PROMPTS = ["abcabcabcabcabc", "hello hello hello hello", "xyz", "one two one two one"]
 MODES = {"none": {"enforce_eager": True},
@@ -57,38 +55,6 @@ def test_ngram_proposer_finds_the_latest_longest_match():
 def _request(temperature: float) -> Request:
     return Request("r", None, [1, 2], SamplingParams(temperature=temperature, max_tokens=50),
                    None, 0)
-
-
-@pytest.mark.parametrize("draft_dist", [None, [0.1, 0.6, 0.1, 0.2]])
-def test_rejection_sampler_draws_from_the_target_distribution(draft_dist):
-    target = torch.tensor([0.5, 0.1, 0.3, 0.1])
-    logits = torch.log(target).repeat(3, 1)                  # [k + 1, V], k = 2
-    gen = torch.Generator().manual_seed(0)
-    req = _request(1.0)
-    counts = torch.zeros(4)
-    trials = 6000
-    for _ in range(trials):
-        if draft_dist is None:                                 # deterministic proposal
-            drafts, q = [1, 1], None
-        else:
-            q = torch.tensor([draft_dist, draft_dist])
-            drafts = torch.multinomial(q, 1, generator=gen).flatten().tolist()
-        first = rejection_sample(logits, drafts, req, gen, q)[0]
-        counts[first] += 1
-    freq = counts / trials
-    chi2 = float(((counts - trials * target) ** 2 / (trials * target)).sum())
-    assert chi2 < 16.3, f"chi2 {chi2:.1f} (p<0.001 at 3 dof); frequencies {freq.tolist()}"
-
-
-def test_greedy_verification_keeps_the_matching_prefix():
-    logits = torch.full((4, 6), -5.0)
-    for row, token in enumerate([3, 1, 4, 2]):
-        logits[row, token] = 5.0
-    req = _request(0.0)
-    gen = torch.Generator()
-    assert rejection_sample(logits, [3, 1, 4], req, gen) == [3, 1, 4, 2]
-    assert rejection_sample(logits, [3, 5, 4], req, gen) == [3, 1]
-    assert rejection_sample(logits, [0, 1, 4], req, gen) == [3]
 
 
 def test_drafting_descriptor_ignores_graph_and_data_parallel_padding():

@@ -34,7 +34,8 @@ class LLM:
                  compilation_config: dict[str, Any] | None = None,
                  attention_backend: str = "auto",
                  speculative_config: dict[str, Any] | None = None,
-                 load_format: str = "auto", num_gpu_blocks_override: int | None = None,
+                 load_format: str = "auto", quantization: str | None = None,
+                 num_gpu_blocks_override: int | None = None,
                  debug_padding: bool | None = None, enable_prefix_caching: bool = True,
                  capture_progress: Callable | None = None,
                  data_parallel_size: int = 1,
@@ -54,7 +55,7 @@ class LLM:
             max_num_batched_tokens = max(2048, max_num_seqs) if isinstance(
                 max_num_seqs, int) else 2048
         config = EngineConfig(
-            model=model, dtype=parse_dtype(dtype, dev), device=dev, seed=seed,
+            model=model, dtype=parse_dtype(dtype, dev, quantization), device=dev, seed=seed,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, num_gpu_blocks_override=num_gpu_blocks_override,
@@ -62,7 +63,8 @@ class LLM:
             compilation=CompilationConfig.from_dict(compilation_config),
             attention_backend=attention_backend,
             speculative=SpeculativeConfig.from_dict(speculative_config),
-            load_format=load_format, data_parallel_size=data_parallel_size,
+            load_format=load_format, quantization=quantization,
+            data_parallel_size=data_parallel_size,
             data_parallel_timeout_s=data_parallel_timeout_s,
             enable_prefix_caching=enable_prefix_caching)
         if debug_padding is not None:

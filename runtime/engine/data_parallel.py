@@ -55,6 +55,7 @@ def _fingerprint(config: EngineConfig, runner: ModelRunner, max_model_len: int
     c = config
     spec = c.speculative
     return {"model": c.model, "dtype": str(c.dtype), "load_format": c.load_format,
+            "quantization": c.quantization,
             "max_model_len": max_model_len, "max_num_seqs": c.max_num_seqs,
             "max_num_batched_tokens": c.max_num_batched_tokens,
             "block_size": c.block_size, "enforce_eager": c.enforce_eager,

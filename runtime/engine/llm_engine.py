@@ -171,6 +171,8 @@ class LLMEngine:
             num_accepted = max(len(new) - 1, 0) if s.num_spec_tokens else 0
             if s.num_spec_tokens and new:
                 self.spec_stats.record(s.num_spec_tokens, num_accepted)
+            if req.request_id in result.prompt_logprobs:
+                self.outputs.add_prompt_logprobs(req, *result.prompt_logprobs[req.request_id])
             num_computed = s.num_new_tokens - s.num_spec_tokens + num_accepted
             num_kept, reason = req.commit(new, num_computed, self.kv,
                                           functools.partial(self.outputs.stop_reason, req))

@@ -17,6 +17,15 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self._prompt_logprobs: dict[Any, list] = {}    # request id -> prompt_logprobs so far
+
+    def add_prompt_logprobs(self, req: Request, first: int, logprobs: list) -> None:
+        """Entries from prompt position ``first`` on; a recomputed prefix (preemption)
+        adds nothing new."""
+        store = self._prompt_logprobs.setdefault(req.request_id, [None])
+        for position, entry in enumerate(logprobs, start=first):
+            if position == len(store):
+                store.append(self._decoded(entry))
 
     def record_logprobs(self, req: Request, tokens: list[int], logprobs: list | None
                         ) -> None:
@@ -66,8 +75,7 @@ class OutputProcessor:
             return "length"
         return None
 
-    @staticmethod
-    def make_output(req: Request) -> RequestOutput | None:
+    def make_output(self, req: Request) -> RequestOutput | None:
         """The request's output as its ``output_kind`` asks (None: nothing to report yet)."""
         kind = req.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not req.is_finished:
@@ -88,5 +96,9 @@ class OutputProcessor:
         elif detok is not None:
             completion.detokenize = functools.partial(detok.text_at, req.num_output_tokens,
                                                       req.is_finished)
+        prompt_lps = (self._prompt_logprobs.get(req.request_id, [None])
+                      if req.params.prompt_logprobs is not None else None)
+        if req.is_finished:
+            self._prompt_logprobs.pop(req.request_id, None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                             req.is_finished)
+                             req.is_finished, prompt_lps)

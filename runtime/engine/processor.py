@@ -92,6 +92,9 @@ class InputProcessor:
             raise ValueError(f"top_k={params.top_k} exceeds the vocabulary size {vocab}")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds the vocabulary "
+                             f"size {vocab}")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop} need a tokenizer; model "
                              f"{self.model!r} has none: use stop_token_ids")

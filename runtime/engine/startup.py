@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 def load_target(config: EngineConfig) -> tuple[LoadedModel, int]:
     """The model to serve and its max_model_len (ValueError for a drafter or a length
     above the model's own)."""
-    loaded = load_model(config.model, config.dtype, str(config.device), config.load_format)
+    loaded = load_model(config.model, config.dtype, str(config.device), config.load_format,
+                        quantization=config.quantization)
     if isinstance(loaded.model, DraftModel):
         raise ValueError(f"model {config.model!r} is an MTP drafter, not a model to serve: "
                          "pass it as speculative_config={'method': 'mtp', 'model': "

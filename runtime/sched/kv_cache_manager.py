@@ -215,8 +215,9 @@ class KVCacheManager:
         Returns the number of tokens it covers (a multiple of block_size); at least one
         token is always left to compute, so the first sampled token has logits. A request
         that already holds blocks keeps its ``num_computed_tokens``."""
+        # NOTE: prompt_logprobs need every prompt position computed (as in vLLM)
         if (not self.enable_prefix_caching or req.num_computed_tokens
-                or req.request_id in self.req_blocks):
+                or req.request_id in self.req_blocks or req.params.prompt_logprobs is not None):
             return req.num_computed_tokens
         max_blocks = (len(req.token_ids) - 1) // self.block_size
         hashes = self._block_hashes(req, max_blocks)

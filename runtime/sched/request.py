@@ -17,8 +17,6 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING, Callable
 
-import torch
-
 from rung.runtime.detokenizer import IncrementalDetokenizer
 from rung.runtime.request_ids import RequestId
 from rung.runtime.sampling_params import SamplingParams
@@ -63,8 +61,6 @@ class Request:
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.num_preemptions = 0
-        self.generator = (torch.Generator().manual_seed(params.seed)
-                          if params.seed is not None else None)
 
     @property
     def num_tokens(self) -> int:

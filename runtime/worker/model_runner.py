@@ -22,9 +22,9 @@ from rung.runtime.outputs import Logprob
 from rung.runtime.sched.request import Request
 from rung.runtime.sched.scheduler import SchedulerOutput
 from rung.runtime.worker.attention_groups import build_attention_groups, build_layer_metadata
-from rung.runtime.worker.input_batch import BatchLayout, InputBatch
-from rung.runtime.worker.rejection_sampler import rejection_sample
-from rung.runtime.worker.sampler import Sampler, token_logprobs
+from rung.runtime.worker.input_batch import BatchLayout, HostCopyFence, InputBatch
+from rung.runtime.worker.rejection_sampler import num_accepted
+from rung.runtime.worker.sampler import Sampler, SamplingBatch, to_device, token_logprobs
 
 if TYPE_CHECKING:
     from rung.graphs.manager import GraphManager
@@ -49,6 +49,9 @@ class ModelRunnerOutput:
     hidden_rows: dict[str, int]   # request id -> token row whose logits gave its last token
     hidden: torch.Tensor          # [num_tokens_padded, hidden] the target's last hidden states
     logits: torch.Tensor          # [num_logits, vocab] at layout.logits_indices
+    # request id -> (position of its first entry, one dict per prompt token from there)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = dataclasses.field(
+        default_factory=dict)
 
 
 def find_attention_layers(model: torch.nn.Module) -> dict[str, Attention]:
@@ -74,7 +77,8 @@ class ModelRunner:
                                       math.ceil(max_model_len / config.block_size),
                                       len(self.kv_groups), config.block_size, config.device,
                                       decode_query_len=1 + config.num_spec_tokens)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler()
+        self.host_output = HostOutput(config.device)
         self.graphs: GraphManager | None = None      # see use_graphs; None runs eagerly
         self._descriptor_hooks: list[DescriptorHook] = []
         self._poison_rng = np.random.default_rng(config.seed)
@@ -167,7 +171,7 @@ class ModelRunner:
             desc = hook(desc, num_tokens_across_dp)
         self.input_batch.pad(desc)
         hidden = self.forward(desc, layout)                       # [num_tokens_padded, H]
-        rows = torch.from_numpy(layout.logits_indices).to(self.device)
+        rows = to_device(self.device, layout.logits_indices)     # NOTE: non_blocking
         logits = self.model.compute_logits(hidden[rows])          # [num_logits, vocab]
         out = ModelRunnerOutput(desc, {s.request.request_id: [] for s in sched.scheduled},
                                 {}, {}, hidden, logits)
@@ -187,16 +191,20 @@ class ModelRunner:
 
     def forward(self, desc: BatchExecutionDescriptor, layout: BatchLayout) -> torch.Tensor:
         """Run the target model on the prepared, padded batch -> hidden [num_tokens_padded, H]."""
-        _, attn_metadata = self.build_metadata(desc, layout)
-        ctx = ForwardContext(desc, attn_metadata, self.layers)
-        ids = self.input_batch.input_ids.gpu[:desc.num_tokens_padded]
-        positions = self.input_batch.positions.gpu[:desc.num_tokens_padded]
+        ids, positions, ctx = self._inputs(desc, layout)
         with forward_context(ctx):
             if self.graphs is None:
                 hidden = self.model(ids, positions)
             else:
                 hidden = self.graphs.run(desc, ids, positions)
         return hidden
+
+    def _inputs(self, desc: BatchExecutionDescriptor, layout: BatchLayout
+                ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        _, attn_metadata = self.build_metadata(desc, layout)
+        ids = self.input_batch.input_ids.gpu[:desc.num_tokens_padded]
+        positions = self.input_batch.positions.gpu[:desc.num_tokens_padded]
+        return ids, positions, ForwardContext(desc, attn_metadata, self.layers)
 
     def poison_pads(self, desc: BatchExecutionDescriptor, generator: torch.Generator) -> None:
         """Garbage into the pad input rows a replay of ``desc`` reads (debug_padding)."""
@@ -207,42 +215,127 @@ class ModelRunner:
         """Inputs of a capture batch: every row a pad."""
         layout = self.input_batch.prepare_empty()
         self.input_batch.pad(desc)
-        _, attn_metadata = self.build_metadata(desc, layout)
-        ids = self.input_batch.input_ids.gpu[:desc.num_tokens_padded]
-        positions = self.input_batch.positions.gpu[:desc.num_tokens_padded]
-        return ids, positions, ForwardContext(desc, attn_metadata, self.layers)
+        return self._inputs(desc, layout)
 
     def _sample(self, sched: SchedulerOutput, layout: BatchLayout, logits: torch.Tensor,
                 out: ModelRunnerOutput) -> None:
-        """Sampled tokens (and logprobs) of every request into ``out``."""
-        plain: list[tuple[Request, int]] = []                     # (request, logits row)
-        offset = 0
+        """Sampled tokens (and logprobs, prompt logprobs) of every request into ``out``: one
+        batched pass on the device (sampler, then verification), then ONE device-to-host
+        copy."""
+        reqs, drafts = [], []
         for s, n in zip(sched.scheduled, layout.num_logits_per_req):
-            if n == 1:
-                plain.append((s.request, offset))
-            elif n > 1:
-                self._verify(s.request, logits[offset:offset + n], offset, layout, out)
-            offset += n
-        if not plain:
+            if n:                    # NOTE: request order = logits row order, 1 + k rows each
+                reqs.append(s.request)
+                drafts.append(s.request.spec_token_ids[:n - 1])
+        prompt = self._prompt_rows(sched)
+        if not reqs and not prompt:
             return
-        reqs = [r for r, _ in plain]
-        sub = logits[[row for _, row in plain]]                   # [num_plain, vocab]
-        tokens = self.sampler(sub, reqs)
-        num_top = [r.params.logprobs for r in reqs]
-        lps = (token_logprobs(sub, tokens, num_top) if any(n is not None for n in num_top)
-               else num_top)
-        for (req, row), token, lp in zip(plain, tokens.tolist(), lps):
-            out.sampled[req.request_id] = [token]
-            out.hidden_rows[req.request_id] = int(layout.logits_indices[row])
-            if lp is not None:
-                out.logprobs[req.request_id] = [lp]
+        parts, num_top = [], None
+        if reqs:
+            batch = SamplingBatch.build(reqs, drafts, self.config.seed, self.vocab_size,
+                                        self.device)
+            tokens = self.sampler(logits, batch)                   # [num_logits] int64
+            accepted = num_accepted(tokens, batch)                 # [num_reqs] int64
+            num_top = max((n for n in batch.num_logprobs if n is not None), default=None)
+            parts = [tokens.double(), accepted.double()]
+            if num_top is not None:
+                parts.append(token_logprobs(logits, tokens, num_top).double().flatten())
+        if prompt:
+            parts.append(self._prompt_logprobs(out.hidden, prompt).double().flatten())
+        host = self.host_output.fetch(torch.cat(parts))           # the step's one copy
+        if reqs:
+            host = self._unpack(host, reqs, batch, num_top, layout, out)
+        if prompt:
+            _unpack_prompt(host, prompt, out)
 
-    def _verify(self, req: Request, logits: torch.Tensor, offset: int, layout: BatchLayout,
-                out: ModelRunnerOutput) -> None:
-        """logits [1 + k, vocab] at the verified positions of one request."""
-        new = rejection_sample(logits, req.spec_token_ids, req, self.sampler.generator)
-        out.sampled[req.request_id] = new
-        out.hidden_rows[req.request_id] = int(layout.logits_indices[offset + len(new) - 1])
-        if req.params.logprobs is not None:
-            out.logprobs[req.request_id] = token_logprobs(
-                logits[:len(new)], torch.tensor(new), [req.params.logprobs] * len(new))
+    def _prompt_rows(self, sched: SchedulerOutput) -> list[tuple[Request, int, int, int]]:
+        """(request, first token row, first position, count) of the prompt positions whose
+        next prompt token's logprob was asked for (``prompt_logprobs``) in this step."""
+        found, row = [], 0
+        for s in sched.scheduled:
+            req = s.request
+            first = req.num_computed_tokens
+            last = min(first + s.num_new_tokens, req.num_prompt_tokens - 1)
+            if req.params.prompt_logprobs is not None and last > first:
+                found.append((req, row, first, last - first))
+            row += s.num_new_tokens
+        return found
+
+    def _prompt_logprobs(self, hidden: torch.Tensor,
+                         prompt: list[tuple[Request, int, int, int]]) -> torch.Tensor:
+        """Row t: the logprob of prompt token t + 1. -> [num_rows, 2 + 2 * num_top]."""
+        rows = np.concatenate([np.arange(r, r + n) for _, r, _, n in prompt])
+        nexts = np.concatenate([np.asarray(req.prompt_token_ids[p + 1:p + 1 + n])
+                                for req, _, p, n in prompt])
+        num_top = max(req.params.prompt_logprobs for req, *_ in prompt)
+        logits = self.model.compute_logits(hidden[to_device(self.device, rows)])
+        return token_logprobs(logits, to_device(self.device, nexts), num_top)
+
+    def _unpack(self, host: np.ndarray, reqs: list[Request], batch: SamplingBatch,
+                num_top: int | None, layout: BatchLayout, out: ModelRunnerOutput
+                ) -> np.ndarray:
+        """host: [num_rows] tokens, [num_reqs] accepted, then [num_rows, 2 + 2 * num_top]
+        logprobs (`token_logprobs`) when any request asked. Returns what follows."""
+        num_rows, num_reqs = batch.num_rows, len(reqs)
+        tokens = host[:num_rows].astype(np.int64)
+        accepted = host[num_rows:num_rows + num_reqs].astype(np.int64).tolist()
+        end = num_rows + num_reqs + (num_rows * (2 + 2 * num_top) if num_top is not None else 0)
+        lps = host[num_rows + num_reqs:end].reshape(num_rows, -1) if num_top is not None else None
+        for req, start, n_acc in zip(reqs, batch.starts.tolist(), accepted):
+            rows = range(start, start + n_acc + 1)
+            out.sampled[req.request_id] = tokens[start:start + n_acc + 1].tolist()
+            out.hidden_rows[req.request_id] = int(layout.logits_indices[rows[-1]])
+            if req.params.logprobs is not None:
+                out.logprobs[req.request_id] = [
+                    _logprob_dict(int(tokens[r]), lps[r], req.params.logprobs) for r in rows]
+        return host[end:]
+
+
+def _unpack_prompt(host: np.ndarray, prompt: list[tuple[Request, int, int, int]],
+                   out: ModelRunnerOutput) -> None:
+    """host: [num_prompt_rows, 2 + 2 * num_top] (`_prompt_logprobs`) -> out.prompt_logprobs."""
+    lps = host.reshape(sum(n for *_, n in prompt), -1)
+    row = 0
+    for req, _, first, n in prompt:
+        ids = req.prompt_token_ids[first + 1:first + 1 + n]
+        out.prompt_logprobs[req.request_id] = (first + 1, [
+            _logprob_dict(t, lps[row + i], req.params.prompt_logprobs)
+            for i, t in enumerate(ids)])
+        row += n
+
+
+class HostOutput:
+    """Pinned staging of the step's one device-to-host copy, behind a HostCopyFence.
+
+    NOTE: the copy is non_blocking into pinned memory, then the fence waits on its event:
+    the one host sync of a step on CUDA. On CPU the device tensor is host memory, read in
+    place. The returned array is valid until the next fetch.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.fence = HostCopyFence(device)
+        self._pinned: torch.Tensor | None = None        # [capacity] float64, grown on demand
+
+    def fetch(self, packed: torch.Tensor) -> np.ndarray:
+        """packed [n] float64 on the device -> its values on the host."""
+        if self.device.type == "cpu":
+            return packed.numpy()
+        n = packed.numel()
+        if self._pinned is None or self._pinned.numel() < n:
+            self._pinned = torch.empty(max(n, 4096), dtype=torch.float64, pin_memory=True)
+        host = self._pinned[:n]
+        host.copy_(packed, non_blocking=True)
+        self.fence.record()
+        self.fence.wait()
+        return host.numpy()
+
+
+def _logprob_dict(token: int, row: np.ndarray, num_top: int) -> dict[int, Logprob]:
+    """row: [lp, rank, top lps..., top ids...] (`token_logprobs`) -> vLLM's dict: the
+    sampled token first, then the top ``num_top`` (the sampled one may be among them)."""
+    width = (len(row) - 2) // 2
+    entry = {token: Logprob(float(row[0]), int(row[1]))}
+    for i in range(num_top):
+        entry.setdefault(int(row[2 + width + i]), Logprob(float(row[2 + i]), i + 1))
+    return entry

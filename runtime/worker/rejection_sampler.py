@@ -1,67 +1,86 @@
-"""Verify drafts against the target: greedy exact, and the lossless accept/resample rule."""
+"""Verify drafts against the target, batched over [num_reqs, k + 1], on the device.
+
+Deterministic drafts (n-gram, MTP's greedy rounds): draft i is kept while it equals the
+target's own token at its position, which the sampler drew with the request's keyed
+uniform there (greedy: the argmax). Every emitted token is then the one the target emits
+at that position without speculation, so the output is lossless by construction and a
+seeded sampled run is token-identical with and without speculation; the acceptance rate
+equals the classic rule's (a draft d is kept with probability p(d) either way).
+
+Drafts with a distribution q (`rejection_sample_with_probs`): the classic rule, keep d
+with probability min(1, p(d) / q(d)), on the first rejection resample from
+norm(max(p - q, 0)); still lossless, with uniforms keyed by (request, position) too.
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from rung.runtime.sched.request import Request
-from rung.runtime.worker.sampler import apply_min_tokens, sampling_probs
+from rung.runtime.worker.sampler import (
+    STREAM_ACCEPT,
+    STREAM_RESIDUAL,
+    SamplingBatch,
+    inverse_cdf,
+    to_device,
+)
+from rung.runtime.worker.sampler import uniforms as keyed_uniforms
 
 
-def mask_min_tokens(logits: torch.Tensor, req: Request) -> torch.Tensor:
-    """Row i is the position of output token num_output_tokens + i. logits [k + 1, V]."""
-    if req.num_output_tokens >= req.params.min_tokens:
-        return logits
-    return apply_min_tokens(logits.clone(), [_Shifted(req, i) for i in range(logits.shape[0])])
+def num_accepted(target: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """target [num_rows] int64, the sampler's tokens -> accepted drafts [num_reqs] int64.
 
-
-class _Shifted:
-    """A request seen ``offset`` tokens later (for per-position min_tokens masking)."""
-
-    def __init__(self, req: Request, offset: int) -> None:
-        self.params = req.params
-        self.eos_token_id = req.eos_token_id
-        self.num_output_tokens = req.num_output_tokens + offset
-
-
-def rejection_sample(logits: torch.Tensor, drafts: list[int], req: Request,
-                     generator: torch.Generator,
-                     draft_probs: torch.Tensor | None = None) -> list[int]:
-    """Accepted drafts plus one target token. logits [k + 1, V] fp32 at the k + 1 verified
-    positions; ``draft_probs`` [k, V] (None: drafts were proposed deterministically).
-
-    Greedy: drafts are kept while they equal the target's argmax. Sampling: draft d is
-    kept with probability min(1, p(d) / q(d)); the first rejection resamples from
-    max(p - q, 0), normalised; when every draft is kept a bonus token comes from p.
-    Either way the output is distributed exactly as the target's own samples.
+    e.g. drafts [[5, 7, 9]], target at their rows [5, 7, 2, 4] -> [2]: the request emits
+    5, 7, 2 (its rows 0..accepted).
     """
-    logits = mask_min_tokens(logits, req)
-    if req.params.greedy:
-        target = logits.argmax(dim=-1).tolist()
-        out = []
-        for i, d in enumerate(drafts):
-            if target[i] != d:
-                return out + [target[i]]
-            out.append(d)
-        return out + [target[len(drafts)]]
-    gen = req.generator or generator
-    probs = sampling_probs(logits.cpu(), [req] * logits.shape[0])     # [k + 1, V]
-    out = []
-    for i, d in enumerate(drafts):
-        p = probs[i]
-        q = _one_hot(d, p) if draft_probs is None else draft_probs[i].cpu()
-        accept = min(1.0, float(p[d]) / max(float(q[d]), 1e-20))
-        if float(torch.rand((), generator=gen)) < accept:
-            out.append(d)
-            continue
-        residual = (p - q).clamp(min=0)
-        if float(residual.sum()) <= 0:
-            residual = p
-        return out + [int(torch.multinomial(residual / residual.sum(), 1, generator=gen))]
-    return out + [int(torch.multinomial(probs[len(drafts)], 1, generator=gen))]
+    if batch.drafts.shape[1] == 0:
+        return torch.zeros(len(batch.starts), dtype=torch.int64, device=target.device)
+    at_drafts = target[batch.draft_rows[:, :-1]]                  # [num_reqs, k_max]
+    match = at_drafts == batch.drafts                             # NOTE: -1 pads never match
+    return match.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
-def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
-    q = torch.zeros_like(like)
-    q[token] = 1.0
-    return q
+def rejection_sample_with_probs(probs: torch.Tensor, target: torch.Tensor,
+                                draft_probs: torch.Tensor, batch: SamplingBatch
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The classic lossless rule for drafts drawn from ``draft_probs``.
+
+    probs [num_rows, V] the target's sampling distribution per row; target [num_rows] its
+    tokens; draft_probs [num_reqs, k_max, V] -> (tokens [num_rows], accepted [num_reqs]):
+    request j emits tokens[starts[j] : starts[j] + accepted[j] + 1].
+    """
+    num_reqs, k_max = batch.drafts.shape
+    if k_max == 0:
+        return target, num_accepted(target, batch)
+    rows = batch.draft_rows[:, :-1]                                # [num_reqs, k_max]
+    valid = batch.drafts >= 0
+    drafts = batch.drafts.clamp(min=0)
+    p = probs[rows]                                                # [num_reqs, k_max, V]
+    p_d = p.gather(2, drafts.unsqueeze(2)).squeeze(2)
+    q_d = draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2)
+    u_accept = _uniforms(batch, STREAM_ACCEPT, rows, probs.device)
+    accept = valid & (u_accept * q_d < p_d)                       # u < min(1, p / q)
+    greedy = batch.greedy[rows]
+    accept = torch.where(greedy, target[rows] == batch.drafts, accept)
+    accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)   # [num_reqs]
+    residual = (p - draft_probs).clamp(min=0)
+    empty = residual.sum(dim=2, keepdim=True) <= 0
+    residual = torch.where(empty, p, residual)
+    u_residual = _uniforms(batch, STREAM_RESIDUAL, rows, probs.device)
+    resampled = inverse_cdf(residual.flatten(0, 1), u_residual.flatten()).view(num_reqs, k_max)
+    tokens = target.clone()
+    kept = torch.arange(k_max, device=probs.device) < accepted.unsqueeze(1)
+    tokens[rows[kept]] = batch.drafts[kept]                        # the kept drafts
+    at = accepted.clamp(max=k_max - 1).unsqueeze(1)               # first rejected draft
+    rejected = (accepted < k_max) & valid.gather(1, at).squeeze(1)
+    first_rejected = rows.gather(1, at).squeeze(1)
+    fix = torch.where(greedy[:, 0], tokens[first_rejected], resampled.gather(1, at).squeeze(1))
+    tokens[first_rejected] = torch.where(rejected, fix, tokens[first_rejected])
+    return tokens, accepted
+
+
+def _uniforms(batch: SamplingBatch, stream: int, rows: torch.Tensor,
+              device: torch.device) -> torch.Tensor:
+    """The keyed uniforms of ``stream`` at the draft rows. -> [num_reqs, k_max] fp32."""
+    u = keyed_uniforms(batch.keys, batch.positions, stream).astype(np.float32)
+    return to_device(device, u)[rows]
