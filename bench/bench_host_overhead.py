@@ -79,8 +79,10 @@ def decode_engine(num_reqs: int) -> LLMEngine:
                       runner.vocab_size)
     runner.model = stub
     sizes = capture_sizes(None, max_num_seqs, 0, engine.config.max_num_batched_tokens)
-    runner.use_graphs(_DispatchOnly(Dispatcher(CUDAGraphMode.FULL_DECODE_ONLY, sizes,
-                                               max_num_seqs), stub))
+    dispatcher = Dispatcher(CUDAGraphMode.FULL_DECODE_ONLY, sizes, max_num_seqs)
+    for key in dispatcher.capture_descriptors():
+        dispatcher.go_live(key)
+    runner.use_graphs(_DispatchOnly(dispatcher, stub))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_MODEL_LEN, ignore_eos=True)
     for i in range(num_reqs):
         engine.add_request(f"r{i}", {"prompt_token_ids": [3 + i % 100] * PROMPT_LEN}, params)

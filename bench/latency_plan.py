@@ -58,7 +58,9 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", default="none", choices=BASELINES,
                    help="also time HF transformers generate on the same weights, or "
                         "llama.cpp (pip install 'rung[llamacpp]') on the same GGUF file")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"torch CPU threads (default: torch's own, {torch.get_num_threads()} "
+                        "here)")
     p.add_argument("--json", default=None, help="write env + one record per cell here")
     p.add_argument("--plot", default=None, help="draw latency vs requests to this image")
     # NOTE: None = sized from the run: max_num_seqs from the largest batch, max_model_len

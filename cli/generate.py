@@ -32,6 +32,8 @@ def add_generate(sub: Any) -> None:
     gen.add_argument("--chat", action="store_true",
                      help="send each prompt as a user message through the model's chat "
                           "template")
+    gen.add_argument("--chat-template", default=None, metavar="FILE",
+                     help="a Jinja chat template file for --chat (default: the model's own)")
     gen.set_defaults(func=cmd_generate)
 
 
@@ -72,6 +74,16 @@ def _check_prompts(args: argparse.Namespace, prompts: list[str | dict]) -> None:
                              f"[0, {cfg['vocab_size']})")
 
 
+def _read_chat_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"--chat-template {path!r}: {e.strerror}") from None
+
+
 def _sampling_params(args: argparse.Namespace) -> Any:
     from rung.runtime.sampling_params import SamplingParams
 
@@ -104,11 +116,14 @@ def generate_report(rank: int | None, args: argparse.Namespace) -> str:
     if args.chat:   # each text prompt is one user message of its own conversation
         if any(not isinstance(p, str) for p in prompts):
             raise ValueError("--chat takes text prompts, not --prompt-token-ids")
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        template = _read_chat_template(args.chat_template)
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                           chat_template=template)
     else:
         outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     stats = llm.engine.stats()
+    graphs = stats["graphs"]
     dp = stats.get("data_parallel")
     lines: list[str] = []
     if dp is None or dp["rank"] == 0:
@@ -123,6 +138,10 @@ def generate_report(rank: int | None, args: argparse.Namespace) -> str:
                     lines.append(f"error: {c.error}")
         lines.append(f"{num_tokens} tokens in {elapsed:.2f} s: "
                      f"{num_tokens / elapsed:.1f} tokens/s")
+    if graphs["pending"]:
+        lines.append(f"graphs live: {len(graphs['live'])} of "
+                     f"{len(graphs['live']) + len(graphs['pending'])} (the others were still "
+                     f"building; {stats['eager_steps']} steps ran eagerly)")
     spec = stats.get("spec")
     if spec:
         lines.append(f"speculative: acceptance rate {spec['acceptance_rate']:.2f}, "

@@ -38,6 +38,7 @@ def _add_warmup(sub: Any) -> None:
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
+    args.graph_startup = args.graph_startup or "blocking"   # measures live graphs
     from rung.runtime.tools.warmup import run_warmup
 
     check_output_path(args.json, "--json")
@@ -58,6 +59,7 @@ def _add_verify(sub: Any) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    args.graph_startup = args.graph_startup or "blocking"   # measures live graphs
     if args.data_parallel_size > 1:
         raise ValueError("verify runs one process: drop --data-parallel-size "
                          f"{args.data_parallel_size}")
@@ -90,6 +92,7 @@ def _add_bench(sub: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    args.graph_startup = args.graph_startup or "blocking"   # measures live graphs
     if args.baseline == "hf" and not importable("transformers"):
         raise ValueError("--baseline hf needs transformers: pip install 'rung[test]'")
     check_output_path(args.json, "--json")

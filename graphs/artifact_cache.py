@@ -5,10 +5,12 @@ One entry per graph: ``<root>/<key>/artifact.bin`` (inductor's saved artifact) a
 compiled code depends on: torch version, rung's traced source (core, kernels, models,
 graphs), the model config and dtype, inductor options, the graph's size, the shapes,
 strides and dtypes of every tensor it may read (weights, KV caches, input buffers), and
-the metadata constants traced into it (block size, keys read).
+the metadata constants traced into it (block size).
 
 NOTE: weight VALUES are not in the key: weights are inputs of the artifact, never baked
-into it, so new weights of the same config reuse the same compiled code.
+into it, so new weights of the same config reuse the same compiled code. Dimensions traced
+symbolic are not in it either (each KV cache's block count, each block table's width), so
+engines that differ only in max_num_seqs, max_model_len or KV cache size share entries.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from typing import Any
 
 import torch
 
+from rung.graphs.capture import memory_identity
+
 logger = logging.getLogger(__name__)
 
-KV_WIDTH = "kv_width"    # the one int input: blocks read per request, set at each replay
+SIZE_OF = "size_of:"     # an int input: "size_of:<input index>:<dim>", set at each replay
 _SOURCE_PACKAGES = ("rung.core", "rung.kernels", "rung.models", "rung.graphs")
 
 
@@ -53,13 +57,44 @@ def source_hash() -> str:
     return digest.hexdigest()
 
 
-def tensor_signature(t: torch.Tensor) -> list:
-    return [list(t.shape), list(t.stride()), str(t.dtype), str(t.device)]
+def tensor_signature(t: torch.Tensor, dynamic_dims: tuple[int, ...] = ()) -> list:
+    """Shape (symbolic dims as "*"), layout, dtype and device: what compiled code assumes."""
+    shape = ["*" if d in dynamic_dims else n for d, n in enumerate(t.shape)]
+    # NOTE: a contiguous tensor's strides follow from its shape, symbolic dims included
+    layout = "contiguous" if t.is_contiguous() else list(t.stride())
+    return [shape, layout, str(t.dtype), str(t.device)]
 
 
-def memory_identity(t: torch.Tensor) -> tuple:
-    """What a view reads: two view objects of one buffer slice compare equal."""
-    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+def artifact_key(base: dict[str, Any], graph_key: dict[str, Any],
+                 named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]]) -> str:
+    """``dynamic``: name -> the dimensions of that tensor traced symbolic."""
+    payload = {**base, **graph_key,
+               "tensors": {n: tensor_signature(t, dynamic.get(n, ())) for n, t in named.items()}}
+    text = json.dumps(payload, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def input_names(inputs: list, sizes: dict[int, tuple[int, int]],
+                named: dict[str, torch.Tensor]) -> list[str] | None:
+    """A name for each flat input of a traced graph (None if one has no name): a tensor's
+    name in ``named``, or "size_of:<input>:<dim>" for a symbolic size."""
+    by_identity: dict[tuple, str] = {}
+    for name, t in named.items():
+        by_identity.setdefault(memory_identity(t), name)
+    names = [by_identity.get(memory_identity(t)) if isinstance(t, torch.Tensor)
+             else f"{SIZE_OF}{sizes[i][0]}:{sizes[i][1]}" if i in sizes else None
+             for i, t in enumerate(inputs)]
+    return None if None in names else names
+
+
+def bind_inputs(names: list[str], named: dict[str, torch.Tensor]
+                ) -> tuple[list, dict[int, tuple[int, int]]]:
+    """(flat inputs, size inputs) of an artifact whose inputs are ``names``; KeyError if
+    ``named`` lacks one."""
+    inputs = [0 if name.startswith(SIZE_OF) else named[name] for name in names]
+    sizes = {i: tuple(map(int, name.removeprefix(SIZE_OF).split(":")))
+             for i, name in enumerate(names) if name.startswith(SIZE_OF)}
+    return inputs, sizes
 
 
 class ArtifactCache:
@@ -69,21 +104,23 @@ class ArtifactCache:
         self.root = Path(root) / "compiled"
         self.model_key = {**model_key, "torch": torch.__version__, "rung_source": source_hash()}
 
-    def key(self, graph_key: dict[str, Any], named: dict[str, torch.Tensor]) -> str:
-        payload = {**self.model_key, **graph_key,
-                   "tensors": {n: tensor_signature(t) for n, t in named.items()}}
-        text = json.dumps(payload, sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:32]
+    def key(self, graph_key: dict[str, Any], named: dict[str, torch.Tensor],
+            dynamic: dict[str, tuple[int, ...]]) -> str:
+        return artifact_key(self.model_key, graph_key, named, dynamic)
 
-    def load(self, key: str, named: dict[str, torch.Tensor]
-             ) -> tuple[Any, list[torch.Tensor]] | None:
-        """(artifact, its flat inputs) or None when absent; a corrupt entry is removed."""
+    def has(self, key: str) -> bool:
+        return (self.root / key / "meta.json").exists()
+
+    def load(self, key: str, named: dict[str, torch.Tensor]) -> tuple[Any, list[str]] | None:
+        """(artifact, the names of its flat inputs) or None when absent; a corrupt entry
+        is removed."""
         entry = self.root / key
         if not (entry / "meta.json").exists():
             return None
         try:
             meta = json.loads((entry / "meta.json").read_text())
-            inputs = [named[name] if name != KV_WIDTH else 0 for name in meta["input_names"]]
+            names = meta["input_names"]
+            bind_inputs(names, named)
             artifact = torch._inductor.CompiledArtifact.load(path=str(entry / "artifact.bin"),
                                                               format="binary")
         except Exception as e:  # noqa: BLE001 - any unreadable entry is rebuilt
@@ -91,19 +128,10 @@ class ArtifactCache:
                            entry, type(e).__name__, e)
             self.discard(key)
             return None
-        return artifact, inputs
+        return artifact, names
 
-    def save(self, key: str, artifact: Any, inputs: list[torch.Tensor],
-             named: dict[str, torch.Tensor]) -> None:
-        """Write the entry atomically (a rename), naming each flat input."""
-        by_identity: dict[tuple, str] = {}
-        for name, t in named.items():
-            by_identity.setdefault(memory_identity(t), name)
-        names = [by_identity.get(memory_identity(t)) if isinstance(t, torch.Tensor) else KV_WIDTH
-                 for t in inputs]
-        if None in names:
-            logger.warning("compiled graph reads a tensor rung cannot name; not cached")
-            return
+    def save(self, key: str, artifact: Any, names: list[str]) -> None:
+        """Write the entry atomically (a rename) with the names of its flat inputs."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=".tmp-"))
         try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -37,10 +36,13 @@ class CapturedGraph:
         raise NotImplementedError
 
 
+def memory_identity(t: torch.Tensor) -> tuple:
+    """What a view reads: two view objects of one buffer slice compare equal."""
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 def _identity(t: object) -> tuple:
-    if isinstance(t, torch.Tensor):
-        return (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
-    return ("const", t)
+    return memory_identity(t) if isinstance(t, torch.Tensor) else ("const", t)
 
 
 def _flat(outputs: Outputs) -> list[torch.Tensor]:
@@ -224,29 +226,3 @@ def count_kernel_nodes(raw_graph: int, cudart: Any) -> int:
 def _check(cudart: Any, err: Any, call: str) -> None:
     if err != cudart.cudaError_t.cudaSuccess:
         raise RuntimeError(f"{call} returned {err}")
-
-
-def resolve_graph_backend(name: str, device: torch.device) -> str:
-    """"auto": CUDA graphs on CUDA; on CPU compiled graphs, unless RUNG_GRAPH_BACKEND names
-    another (the test suite sets "emulated": its poisoned replays are the padding oracle)."""
-    if name != "auto":
-        return name
-    if device.type == "cuda":
-        return "cuda"
-    return os.environ.get("RUNG_GRAPH_BACKEND", "compiled")
-
-
-def make_capture_backend(name: str, device: torch.device,
-                         poison_hook: Callable[[], None] | None, artifact_cache=None):
-    name = resolve_graph_backend(name, device)
-    if name == "cuda":
-        if device.type != "cuda":
-            raise ValueError(f"graph_backend 'cuda' needs a CUDA device, got {device}")
-        return CudaGraphBackend()
-    if name == "emulated":
-        return EmulatedGraphBackend(poison_hook)
-    if name == "compiled":
-        from rung.graphs.compiled import CompiledGraphBackend
-
-        return CompiledGraphBackend(artifact_cache, poison_hook)
-    raise ValueError(f"graph_backend {name!r} not in ('auto', 'cuda', 'emulated', 'compiled')")

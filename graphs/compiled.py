@@ -18,8 +18,8 @@ import torch
 from torch import fx
 
 from rung.core.forward_context import get_forward_context
-from rung.graphs.artifact_cache import ArtifactCache, memory_identity
-from rung.graphs.capture import CapturedGraph, EmulatedGraphBackend
+from rung.graphs.artifact_cache import ArtifactCache, artifact_key, bind_inputs, input_names
+from rung.graphs.capture import CapturedGraph, EmulatedGraphBackend, memory_identity
 
 logger = logging.getLogger(__name__)
 
@@ -32,14 +32,16 @@ INDUCTOR_OPTIONS: dict[str, Any] = {"config_patches": {"cpp_wrapper": True}}
 class CompiledGraph(CapturedGraph):
     """An inductor artifact and the flat inputs it was traced with.
 
-    The KV length is the one dynamic dimension: each block table is handed over cut to
-    the blocks the batch's longest sequence covers, so attention reads the real context,
-    not max_model_len.
+    Each block table is handed over cut to the blocks the batch's longest sequence
+    covers, so attention reads the real context, not max_model_len. Every symbolic size
+    (a table's width, a KV cache's block count) is itself an int input of the artifact,
+    set from the size of the tensor it measures (``sizes``).
     """
 
     def __init__(self, artifact: Callable[..., Any], static_inputs: Sequence[torch.Tensor],
-                 graph_inputs: list[torch.Tensor], compile_s: float | None,
-                 load_s: float | None, poison: Callable[[], None] | None = None) -> None:
+                 graph_inputs: list[torch.Tensor], sizes: dict[int, tuple[int, int]],
+                 compile_s: float | None, load_s: float | None,
+                 poison: Callable[[], None] | None = None) -> None:
         super().__init__(static_inputs, None, 0)
         self.artifact = artifact
         self.poison = poison         # debug mode: garbage into pad rows before each replay
@@ -47,9 +49,8 @@ class CompiledGraph(CapturedGraph):
         self.compile_s = compile_s   # seconds to trace + compile; None when loaded
         self.load_s = load_s         # seconds to load from the disk cache; None when compiled
         self.seq_lens_index, self.block_tables = _kv_width_inputs(graph_inputs)
-        # the symbolic KV width is itself an input: an int, one per traced block table
-        self.width_indices = [i for i, t in enumerate(graph_inputs)
-                              if not isinstance(t, torch.Tensor)]
+        self.sizes = sizes           # int input index -> (tensor input index, its dim)
+        self.artifact_key: str | None = None   # shared by every size traced symbolic
 
     def replay(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
         self.check_inputs(inputs)
@@ -64,11 +65,11 @@ class CompiledGraph(CapturedGraph):
             max_seq_len = int(args[self.seq_lens_index].max())
             for index, block_size in self.block_tables:
                 table = args[index]
-                width = min(max(-(-max_seq_len // block_size), MIN_KV_BLOCKS), table.shape[1])
+                width = min(max(-(-max_seq_len // block_size), MIN_DYNAMIC_SIZE), table.shape[1])
                 # NOTE: the artifact was traced on a contiguous table; a few hundred ints
                 args[index] = table[:, :width].contiguous()
-            for index in self.width_indices:
-                args[index] = width      # NOTE: every KV cache group has one block size
+        for index, (tensor_index, dim) in self.sizes.items():
+            args[index] = args[tensor_index].shape[dim]
         # NOTE: the hidden states come back in a fresh tensor per replay (inductor's output
         # buffer), not a static one; every caller reads them before the next replay.
         return self.artifact(*args)[0]
@@ -76,7 +77,9 @@ class CompiledGraph(CapturedGraph):
 
 # NOTE: a dynamic dimension is compiled for sizes >= 2 (sizes 0 and 1 specialise), so a
 # block table is never cut below 2 blocks.
-MIN_KV_BLOCKS = 2
+MIN_DYNAMIC_SIZE = 2
+# NOTE: an explicit bound (torch needs one); no block table or KV cache comes near it
+MAX_DYNAMIC_SIZE = 1 << 20
 
 
 def _kv_width_inputs(graph_inputs: list[torch.Tensor]
@@ -105,15 +108,21 @@ def _kv_width_inputs(graph_inputs: list[torch.Tensor]
     return seq_lens_index, found
 
 
-def _mark_kv_width_dynamic() -> None:
-    """Trace every block table with a symbolic width (blocks read per request)."""
-    metas = [getattr(m, "common", m) for m in get_forward_context().attn_metadata.values()]
-    if len({m.block_size for m in metas}) > 1:
-        return        # one width per step needs one block size: keep max_model_len keys
-    for meta in metas:
-        table = meta.block_table
-        if table.shape[1] >= MIN_KV_BLOCKS:
-            torch._dynamo.mark_dynamic(table, 1, min=MIN_KV_BLOCKS, max=table.shape[1])
+def _mark_dynamic(named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]]) -> None:
+    """Trace the ``dynamic`` dimensions of the named tensors as symbols (sizes >= 2).
+
+    NOTE: leading (batch) dims are tied to each other (query_start_loc holds one more
+    row than seq_lens, a verify batch 1 + k tokens per row), which a range given to each
+    would contradict: they are marked without one, and a size the trace specialised
+    anyway fails the check against eager at its capture.
+    """
+    for name, dims in dynamic.items():
+        for dim in dims:
+            if dim == 0:
+                torch._dynamo.maybe_mark_dynamic(named[name], dim)
+            else:
+                torch._dynamo.mark_dynamic(named[name], dim, min=MIN_DYNAMIC_SIZE,
+                                           max=MAX_DYNAMIC_SIZE)
 
 
 class TracedGraph:
@@ -122,18 +131,42 @@ class TracedGraph:
     def __init__(self) -> None:
         self.gm: fx.GraphModule | None = None
         self.inputs: list[torch.Tensor] = []
+        self.sizes: dict[int, tuple[int, int]] = {}   # see CompiledGraph.sizes
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         self.gm, self.inputs = gm, list(example_inputs)
+        self.sizes = _size_inputs(gm)
         return gm.forward
 
 
-def trace_forward(fn: Callable[..., torch.Tensor], inputs: Sequence) -> TracedGraph:
-    """One dynamo trace of ``fn(*inputs)`` with attention inlined; runs it once."""
+def _size_inputs(gm: fx.GraphModule) -> dict[int, tuple[int, int]]:
+    """int input index -> (index, dim) of the first tensor input that has that size."""
+    placeholders = [n.meta.get("example_value") for n in gm.graph.nodes
+                    if n.op == "placeholder"]
+    dims: dict[Any, tuple[int, int]] = {}
+    for i, value in enumerate(placeholders):
+        if isinstance(value, torch.Tensor):
+            for d, size in enumerate(value.shape):
+                if isinstance(size, torch.SymInt):
+                    dims.setdefault(size.node.expr, (i, d))
+    sizes = {}
+    for i, value in enumerate(placeholders):
+        if isinstance(value, torch.SymInt):
+            if value.node.expr not in dims:
+                raise RuntimeError(f"traced forward input {i} is a size no tensor input has")
+            sizes[i] = dims[value.node.expr]
+    return sizes
+
+
+def trace_forward(fn: Callable[..., torch.Tensor], inputs: Sequence,
+                  named: dict[str, torch.Tensor] | None = None,
+                  dynamic: dict[str, tuple[int, ...]] | None = None) -> TracedGraph:
+    """One dynamo trace of ``fn(*inputs)`` with attention inlined; runs it once.
+    ``dynamic``: name (in ``named``) -> dimensions traced symbolic."""
     traced = TracedGraph()
     ctx = get_forward_context()
     ctx.inline_attention = True
-    _mark_kv_width_dynamic()
+    _mark_dynamic(named or {}, dynamic or {})
     try:
         torch.compile(fn, backend=traced, fullgraph=True, dynamic=False)(*inputs)
     finally:
@@ -144,7 +177,7 @@ def trace_forward(fn: Callable[..., torch.Tensor], inputs: Sequence) -> TracedGr
 
 
 def compile_traced(traced: TracedGraph) -> Any:
-    """An inductor artifact of a traced forward: static shapes but the KV width."""
+    """An inductor artifact of a traced forward: static shapes but the dims traced symbolic."""
     return torch._inductor.standalone_compile(traced.gm, traced.inputs,
                                               dynamic_shapes="from_graph",
                                               options=copy.deepcopy(INDUCTOR_OPTIONS))
@@ -165,46 +198,73 @@ class CompiledGraphBackend(EmulatedGraphBackend):
                  poison_hook: Callable[[], None] | None = None) -> None:
         super().__init__(poison_hook)
         self.cache = cache
+        self.artifacts: dict[str, tuple[Any, list[str]]] = {}   # key -> (artifact, input names)
+
+    def key(self, named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]],
+            graph_key: dict[str, Any]) -> str:
+        base = self.cache.model_key if self.cache is not None else {}
+        return artifact_key(base, {**graph_key, "options": INDUCTOR_OPTIONS}, named, dynamic)
+
+    def has_artifact(self, key: str) -> bool:
+        """Built in this process, or in the disk cache (capture then binds, no compile)."""
+        return key in self.artifacts or (self.cache is not None and self.cache.has(key))
 
     def capture_model(self, fn: Callable[..., torch.Tensor], inputs: Sequence,
-                      named: dict[str, torch.Tensor] | None = None,
-                      graph_key: dict[str, Any] | None = None) -> CompiledGraph:
+                      named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]],
+                      graph_key: dict[str, Any], key: str | None = None) -> CompiledGraph:
         """``fn(*inputs)``: the model's whole forward, attention included. ``named``: every
-        tensor the forward may read, by a stable name; ``graph_key``: what else the traced
-        code depends on (sizes, metadata constants). Both are needed for the disk cache."""
-        key = None
-        if self.cache is not None and named is not None:
-            key = self.cache.key({**(graph_key or {}), "options": INDUCTOR_OPTIONS}, named)
-            graph = self._load(key, fn, inputs, named)
-            if graph is not None:
-                return graph
+        tensor the forward may read, by a stable name; ``dynamic``: name -> dims traced
+        symbolic; ``graph_key``: what else the traced code depends on (sizes, metadata
+        constants). An artifact is keyed on all three: sizes traced symbolic share one.
+
+        NOTE: an artifact compiled earlier (this process, or the disk cache) is bound to
+        this capture's tensors by name and must reproduce eager on the capture batch
+        before it is used; one that does not is discarded and rebuilt.
+        """
+        key = key or self.key(named, dynamic, graph_key)
         start = time.perf_counter()
-        traced = trace_forward(fn, inputs)
+        known = self.artifacts.get(key)
+        if known is None and self.cache is not None:
+            known = self.cache.load(key, named)
+        if known is not None:
+            graph = self._bind(key, *known, fn, inputs, named)
+            if graph is not None:
+                graph.load_s = time.perf_counter() - start
+                return graph
+        traced = trace_forward(fn, inputs, named, dynamic)
         artifact = compile_traced(traced)
         compile_s = time.perf_counter() - start
         logger.info("compiled a graph of %d inputs in %.1f s", len(traced.inputs), compile_s)
-        if key is not None:
-            self.cache.save(key, artifact, traced.inputs, named)
-        return self._finish(CompiledGraph(artifact, inputs, traced.inputs, compile_s, None,
-                                          self.poison_hook))
+        names = input_names(traced.inputs, traced.sizes, named)
+        if names is None:
+            logger.warning("compiled graph reads a tensor rung cannot name; not shared")
+        else:
+            self.artifacts[key] = (artifact, names)
+            if self.cache is not None:
+                self.cache.save(key, artifact, names)
+        graph = self._finish(CompiledGraph(artifact, inputs, traced.inputs, traced.sizes,
+                                           compile_s, None, self.poison_hook))
+        graph.artifact_key = key
+        return graph
 
-    def _load(self, key: str, fn: Callable[..., torch.Tensor], inputs: Sequence,
-              named: dict[str, torch.Tensor]) -> CompiledGraph | None:
-        start = time.perf_counter()
-        hit = self.cache.load(key, named)
-        if hit is None:
+    def _bind(self, key: str, artifact: Any, names: list[str], fn: Callable[..., torch.Tensor],
+              inputs: Sequence, named: dict[str, torch.Tensor]) -> CompiledGraph | None:
+        graph_inputs, sizes = bind_inputs(names, named)
+        try:
+            graph = self._finish(CompiledGraph(artifact, inputs, graph_inputs, sizes, None,
+                                               0.0, self.poison_hook))
+        except Exception as e:  # noqa: BLE001 - e.g. a dim the trace specialised after all
+            logger.warning("compiled graph %s does not run at this size (%s: %s); compiling "
+                           "one for it", key, type(e).__name__, str(e).splitlines()[0])
             return None
-        artifact, graph_inputs = hit
-        graph = self._finish(CompiledGraph(artifact, inputs, graph_inputs, None, 0.0,
-                                           self.poison_hook))
-        # NOTE: a loaded artifact must reproduce eager on the capture batch before it is
-        # used; one that does not (stale or corrupt) is discarded and rebuilt.
         expected = fn(*inputs)
         if not torch.allclose(graph.outputs, expected, rtol=1e-3, atol=1e-4):
-            logger.warning("cached compiled graph %s disagrees with eager; rebuilding", key)
-            self.cache.discard(key)
+            logger.warning("compiled graph %s disagrees with eager; rebuilding", key)
+            self.artifacts.pop(key, None)
+            if self.cache is not None:
+                self.cache.discard(key)
             return None
-        graph.load_s = time.perf_counter() - start
+        graph.artifact_key = key
         return graph
 
     @staticmethod

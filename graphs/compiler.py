@@ -6,7 +6,7 @@ attention runs eagerly between them and reads the forward context.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import fx, nn
@@ -14,10 +14,19 @@ from torch.fx.passes.split_module import split_module
 
 from rung.core.forward_context import current_descriptor
 from rung.core.graph_mode import CUDAGraphMode
+from rung.graphs.capture import CapturedGraph
 
-if TYPE_CHECKING:
-    from rung.graphs.capture import CapturedGraph
-    from rung.graphs.manager import GraphManager
+
+class PieceCapturer(Protocol):
+    """What a piece needs of its graph manager."""
+
+    capturing: bool               # a PIECEWISE capture is running: capture, don't replay
+
+    def capture_piece(self, fn: Callable[..., Any], args: tuple) -> CapturedGraph:
+        """Capture ``fn(*args)`` in the manager's backend, counting its memory."""
+
+    def note_traced(self) -> None:
+        """torch.compile has traced and split the model."""
 
 _ATTENTION_TARGETS = ("rung.unified_attention", "rung::unified_attention")
 
@@ -49,10 +58,9 @@ class PiecewiseRunner(nn.Module):
     """One non-attention piece: replays its graph for PIECEWISE batches of a captured size,
     runs directly otherwise (NONE batches, and inside FULL captures)."""
 
-    def __init__(self, fn: Callable[..., Any], index: int, manager: GraphManager) -> None:
+    def __init__(self, fn: Callable[..., Any], manager: PieceCapturer) -> None:
         super().__init__()
         self.fn = fn
-        self.index = index
         self.manager = manager
         self.graphs: dict[int, CapturedGraph] = {}     # num_tokens_padded -> graph
 
@@ -62,9 +70,8 @@ class PiecewiseRunner(nn.Module):
             return self.fn(*args)
         size = desc.num_tokens_padded
         if self.manager.capturing:
-            graph = self.manager.capture_backend.capture(self.fn, args)
+            graph = self.manager.capture_piece(self.fn, args)
             self.graphs[size] = graph
-            self.manager.note_piece(size, graph)
             return graph.outputs
         graph = self.graphs.get(size)
         return self.fn(*args) if graph is None else graph.replay(args)
@@ -73,21 +80,19 @@ class PiecewiseRunner(nn.Module):
 class PiecewiseBackend:
     """The callable handed to torch.compile(backend=...)."""
 
-    def __init__(self, manager: GraphManager, piece_compiler: str) -> None:
+    def __init__(self, manager: PieceCapturer, piece_compiler: str) -> None:
         self.manager = manager
         self.piece_compiler = piece_compiler
-        self.num_pieces = 0
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         split, attention_pieces = split_at_attention(gm)
         names = [n for n, _ in split.named_children() if n not in attention_pieces]
         compiled = (piece_example_inputs(split, names, example_inputs)
                     if self.piece_compiler == "inductor" else {})
-        for index, name in enumerate(names):
+        for name in names:
             module = getattr(split, name)
             fn = compile_piece(module, compiled[name]) if name in compiled else module
-            setattr(split, name, PiecewiseRunner(fn, index, self.manager))
-        self.num_pieces = len(names)
+            setattr(split, name, PiecewiseRunner(fn, self.manager))
         self.manager.note_traced()
         return split
 
@@ -138,7 +143,7 @@ def piece_example_inputs(split: fx.GraphModule, names: list[str],
     return interpreter.seen
 
 
-def compile_model(model: nn.Module, manager: GraphManager, piece_compiler: str
+def compile_model(model: nn.Module, manager: PieceCapturer, piece_compiler: str
                   ) -> Callable[..., Any]:
     """model.forward(input_ids, positions) compiled with rung's piecewise backend."""
     backend = PiecewiseBackend(manager, piece_compiler)

@@ -1,4 +1,9 @@
-"""Dispatcher: (num_reqs, num_tokens, uniform_query_len) -> BatchExecutionDescriptor."""
+"""Dispatcher: (num_reqs, num_tokens, uniform_query_len) -> BatchExecutionDescriptor.
+
+Graphs are keyed by their capture descriptor (``graph_key``): every row a pad, the padded
+sizes, and the query length of a uniform decode graph. ``dispatch`` returns a graph mode
+only for a key that is live (captured and checked); any other batch runs eagerly.
+"""
 
 from __future__ import annotations
 
@@ -32,6 +37,13 @@ class Dispatcher:
         self.sizes = sizes
         self.max_num_reqs = max_num_reqs
         self.decode_query_len = decode_query_len   # 1, or 1 + k under spec decode
+        self.live: set[BatchExecutionDescriptor] = set()   # graph keys a batch may replay
+
+    def go_live(self, key: BatchExecutionDescriptor) -> None:
+        """Batches of ``key``'s size replay its graph from the next dispatch on."""
+        if key not in self.capture_descriptors():
+            raise ValueError(f"{key} is not a graph key of this dispatcher")
+        self.live.add(key)
 
     def padded_size(self, num_tokens: int) -> int | None:
         i = bisect.bisect_left(self.sizes, num_tokens)
@@ -56,14 +68,32 @@ class Dispatcher:
         else:
             size = max(num_tokens_across_dp)
             size = size if size in self.sizes else None
-        if mode == CUDAGraphMode.NONE or size is None:
-            # above the largest captured size: run eagerly, never crash
+        key = None if mode == CUDAGraphMode.NONE or size is None else (
+            self._key(mode, size, uniform_query_len))
+        if key not in self.live:
+            # above the largest captured size, or not live yet: run eagerly, never crash
             return BatchExecutionDescriptor.eager(num_reqs, num_tokens, uniform_query_len,
                                                   num_tokens_across_dp)
-        rows = (num_reqs if mode == CUDAGraphMode.PIECEWISE
-                else self.full_graph_rows(size, uniform_query_len))
+        rows = num_reqs if mode == CUDAGraphMode.PIECEWISE else key.num_reqs_padded
         return BatchExecutionDescriptor(mode, num_reqs, rows, num_tokens, size,
                                         uniform_query_len, num_tokens_across_dp)
+
+    def graph_key(self, desc: BatchExecutionDescriptor) -> BatchExecutionDescriptor:
+        """The capture descriptor whose graph ``desc`` replays."""
+        return self._key(desc.mode, desc.num_tokens_padded, desc.uniform_query_len)
+
+    def _key(self, mode: CUDAGraphMode, size: int, uniform_query_len: int | None
+             ) -> BatchExecutionDescriptor:
+        if mode == CUDAGraphMode.PIECEWISE:
+            # NOTE: piecewise graphs depend on the token count only; one pad row
+            # keeps the eager attention between pieces well-formed.
+            return BatchExecutionDescriptor(CUDAGraphMode.PIECEWISE, 0, 1, 0, size)
+        # NOTE: a uniform graph's key keeps its query length (0 requests x uniform = 0
+        # tokens holds), so its metadata is decode-shaped and a mixed batch of the same
+        # size never replays it.
+        uniform = uniform_query_len if self.is_uniform_decode(uniform_query_len) else None
+        return BatchExecutionDescriptor(mode, 0, self.full_graph_rows(size, uniform), 0, size,
+                                        uniform)
 
     def full_graph_rows(self, size: int, uniform_query_len: int | None) -> int:
         """Request rows a FULL graph of ``size`` tokens is captured with."""
@@ -72,31 +102,14 @@ class Dispatcher:
         return min(size, self.max_num_reqs)
 
     def capture_descriptors(self) -> list[BatchExecutionDescriptor]:
-        """Every graph to capture: PIECEWISE before FULL, largest size first.
+        """Every graph key to capture: PIECEWISE before FULL, largest size first.
 
         Capture batches hold no real request: every row is a pad.
         """
-        out: dict[tuple, BatchExecutionDescriptor] = {}
-        full_uniform = [u for u in (self.decode_query_len, None)
-                        if self.runtime_mode(u) == CUDAGraphMode.FULL]
+        keys: list[BatchExecutionDescriptor] = []
         if self.mode.mixed_mode() == CUDAGraphMode.PIECEWISE:
-            for size in reversed(self.sizes):
-                # NOTE: piecewise graphs depend on the token count only; one pad row
-                # keeps the eager attention between pieces well-formed.
-                desc = BatchExecutionDescriptor(CUDAGraphMode.PIECEWISE, 0, 1, 0, size)
-                out[(desc.mode, size)] = desc
-        for uniform in full_uniform:
-            for size in reversed(self.sizes):
-                # NOTE: a uniform graph's descriptor keeps its query length (0 requests x
-                # uniform = 0 tokens holds), so its metadata is decode-shaped.
-                desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, 0,
-                                                self.full_graph_rows(size, uniform), 0, size,
-                                                uniform)
-                out[self.full_graph_key(desc)] = desc
-        return list(out.values())
-
-    def full_graph_key(self, desc: BatchExecutionDescriptor) -> tuple[int, int, bool]:
-        """(tokens, rows, uniform decode?): a uniform graph is captured with decode-shaped
-        metadata (max_query_len 1 or 1 + k), so a mixed batch never replays it."""
-        return (desc.num_tokens_padded, desc.num_reqs_padded,
-                self.is_uniform_decode(desc.uniform_query_len))
+            keys += [self._key(CUDAGraphMode.PIECEWISE, s, None) for s in reversed(self.sizes)]
+        for uniform in (self.decode_query_len, None):
+            if self.runtime_mode(uniform) == CUDAGraphMode.FULL:
+                keys += [self._key(CUDAGraphMode.FULL, s, uniform) for s in reversed(self.sizes)]
+        return list(dict.fromkeys(keys))

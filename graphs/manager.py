@@ -18,7 +18,9 @@ from rung.core.forward_context import (
     get_forward_context,
 )
 from rung.core.graph_mode import CUDAGraphMode
-from rung.graphs.capture import CapturedGraph, Outputs, make_capture_backend
+from rung.graphs.backends import make_capture_backend
+from rung.graphs.capture import CapturedGraph, Outputs, memory_identity
+from rung.graphs.compiled import MIN_DYNAMIC_SIZE, CompiledGraphBackend
 from rung.graphs.compiler import compile_model
 from rung.graphs.dispatcher import Dispatcher, downgrade
 from rung.kernels.backend import AttentionBackend
@@ -55,7 +57,8 @@ class CaptureRecord:
     num_kernel_nodes: int | None
     graph: str = TARGET           # whose graph: TARGET, or the drafter's name
     compile_s: float | None = None   # compiled CPU graphs: trace + compile seconds
-    load_s: float | None = None      # compiled CPU graphs: seconds to load from disk
+    load_s: float | None = None      # compiled CPU graphs: seconds to bind a built artifact
+    artifact: str | None = None      # compiled CPU graphs: key of the artifact (sizes share)
 
 
 class GraphManager:
@@ -71,10 +74,13 @@ class GraphManager:
                                                     artifact_cache)
         self.compiled = (compile_model(runner.model, self, piece_compiler)
                          if mode.has_piecewise() else None)
-        # (TARGET or a drafter's name, num_tokens_padded, num_reqs_padded, uniform decode?)
-        # -> FULL graph
-        self.full_graphs: dict[tuple[str, int, int, bool], CapturedGraph] = {}
+        # (TARGET or a drafter's name, graph key: the capture descriptor) -> FULL graph
+        self.full_graphs: dict[tuple[str, BatchExecutionDescriptor], CapturedGraph] = {}
         self.capturing = False
+        # compiled CPU graphs: one artifact with a symbolic batch serves every size of >= 2
+        # request rows (size 1 keeps a static artifact of its own)
+        self.symbolic_batch = True
+        self._artifact_keys: dict[BatchExecutionDescriptor, str] = {}   # see is_ready
         self.records: list[CaptureRecord] = []
         self.trace_seconds = 0.0      # one-time torch.compile tracing, not in any record
         self._traced_at: float | None = None
@@ -110,17 +116,34 @@ class GraphManager:
         self._traced_at = time.perf_counter()
 
     def capture_all(self, progress: Callable[[CaptureRecord], None] | None = None) -> None:
+        for key in self.dispatcher.capture_descriptors():
+            record = self.capture(key)
+            if progress is not None:
+                progress(record)
+
+    def capture(self, key: BatchExecutionDescriptor) -> CaptureRecord:
+        """Capture (or compile, or load) the graph of ``key`` and make it live; on the
+        serving thread, between steps (it writes the runner's input buffers)."""
         with torch.inference_mode():
-            for desc in self.dispatcher.capture_descriptors():
-                record = self._capture(desc)
-                self.records.append(record)
-                if progress is not None:
-                    progress(record)
+            record = self._capture(key)
+        self.records.append(record)
+        self.dispatcher.go_live(key)
+        return record
+
+    def is_ready(self, key: BatchExecutionDescriptor) -> bool:
+        """Whether capturing ``key`` now costs no compile (always, but for compiled CPU
+        graphs whose artifact is neither built in this process nor in the disk cache)."""
+        if key.mode != CUDAGraphMode.FULL or not isinstance(self.capture_backend,
+                                                            CompiledGraphBackend):
+            return True
+        if key not in self._artifact_keys:
+            self._artifact_keys[key] = self._compiled_spec(key)[-1]
+        return self.capture_backend.has_artifact(self._artifact_keys[key])
 
     def _capture(self, desc: BatchExecutionDescriptor) -> CaptureRecord:
         start = time.perf_counter()
         self._traced_at = None
-        compiled_s = load_s = None
+        compiled_s = load_s = artifact = None
         ids, positions, ctx = self.runner.dummy_batch(desc)
         with forward_context(ctx):
             if desc.mode == CUDAGraphMode.PIECEWISE:
@@ -133,14 +156,14 @@ class GraphManager:
                 nbytes, nodes = self._piece_bytes, self._piece_nodes
             else:
                 inputs = self._full_inputs(ids, positions, ctx)
-                if hasattr(self.capture_backend, "capture_model"):   # compiled CPU graphs
+                if isinstance(self.capture_backend, CompiledGraphBackend):
                     graph = self.capture_backend.capture_model(
-                        self._model_forward, inputs, self._named_tensors(inputs),
-                        _compile_key(desc, ctx))
+                        self._model_forward, inputs, *self._compiled_spec(desc, ctx, inputs))
                     compiled_s, load_s = graph.compile_s, graph.load_s
+                    artifact = graph.artifact_key
                 else:
                     graph = self.capture_backend.capture(self._full_forward, inputs)
-                self.full_graphs[self._graph_key(TARGET, desc)] = graph
+                self.full_graphs[(TARGET, desc)] = graph
                 nbytes, nodes = graph.nbytes, graph.num_kernel_nodes
         if self._traced_at is not None:
             # NOTE: tracing happens once (or on a recompile); charging it to the graph
@@ -149,16 +172,31 @@ class GraphManager:
             start = self._traced_at
         return CaptureRecord(desc.mode.name, desc.num_tokens_padded, desc.num_reqs_padded,
                              time.perf_counter() - start, nbytes, nodes,
-                             compile_s=compiled_s, load_s=load_s)
+                             compile_s=compiled_s, load_s=load_s, artifact=artifact)
+
+    def _compiled_spec(self, desc: BatchExecutionDescriptor, ctx: ForwardContext | None = None,
+                       inputs: list[torch.Tensor] | None = None) -> tuple:
+        """(named tensors, symbolic dims, graph key, artifact key) of the compiled graph of
+        ``desc``; without ``ctx``, on a capture batch of its own."""
+        if ctx is None:
+            ids, positions, ctx = self.runner.dummy_batch(desc)
+            inputs = self._full_inputs(ids, positions, ctx)
+        named = self._named_tensors(inputs)
+        batch = self.symbolic_batch and desc.num_reqs_padded >= MIN_DYNAMIC_SIZE
+        dynamic, graph_key = _symbolic_dims(named, ctx, batch), _compile_key(desc, ctx, batch)
+        return named, dynamic, graph_key, self.capture_backend.key(named, dynamic, graph_key)
 
     def _forward_fn(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         model = self.compiled if self.compiled is not None else self.runner.model
         return model(ids, positions)
 
-    def note_piece(self, size: int, graph: CapturedGraph) -> None:
+    def capture_piece(self, fn: Callable[..., Any], args: tuple) -> CapturedGraph:
+        """One PIECEWISE piece (called by the piece itself during a PIECEWISE capture)."""
+        graph = self.capture_backend.capture(fn, args)
         self._piece_bytes += graph.nbytes
         if graph.num_kernel_nodes is not None:
             self._piece_nodes = (self._piece_nodes or 0) + graph.num_kernel_nodes
+        return graph
 
     def capture_graph(self, name: str, desc: BatchExecutionDescriptor,
                       fn: Callable[..., Outputs], inputs: Sequence[torch.Tensor],
@@ -171,7 +209,7 @@ class GraphManager:
         self._poisoners[name] = poison
         with torch.inference_mode():
             graph = self.capture_backend.capture(fn, inputs)
-        self.full_graphs[self._graph_key(name, desc)] = graph
+        self.full_graphs[(name, desc)] = graph
         record = CaptureRecord(f"{name.upper()}_FULL", desc.num_tokens_padded,
                                desc.num_reqs_padded, time.perf_counter() - start,
                                graph.nbytes, graph.num_kernel_nodes, name)
@@ -180,15 +218,11 @@ class GraphManager:
             progress(record)
         return record
 
-    def _graph_key(self, name: str, desc: BatchExecutionDescriptor) -> tuple[str, int, int, bool]:
-        """A uniform decode graph has decode-shaped metadata: a mixed batch of the same
-        size never replays it (see Dispatcher.full_graph_key)."""
-        return (name, *self.dispatcher.full_graph_key(desc))
-
-    def replay(self, name: str, desc: BatchExecutionDescriptor,
+    def replay(self, name: str, key: BatchExecutionDescriptor,
                inputs: Sequence[torch.Tensor]) -> Outputs:
-        """Replay the FULL graph ``name`` captured for ``desc``'s padded size."""
-        graph = self.full_graphs[self._graph_key(name, desc)]
+        """Replay the FULL graph ``name`` captured for ``key`` (the graph key its dispatcher
+        gave the batch)."""
+        graph = self.full_graphs[(name, key)]
         self._replaying = name
         try:
             return graph.replay(inputs)
@@ -233,8 +267,13 @@ class GraphManager:
     def run(self, desc: BatchExecutionDescriptor, ids: torch.Tensor,
             positions: torch.Tensor) -> torch.Tensor:
         if desc.mode == CUDAGraphMode.FULL:
-            return self.replay(TARGET, desc,
+            return self.replay(TARGET, self.dispatcher.graph_key(desc),
                                self._full_inputs(ids, positions, get_forward_context()))
+        if desc.mode == CUDAGraphMode.NONE:
+            # NOTE: the model itself, not the torch.compile wrapper of the pieces: its first
+            # call traces the whole model, which must not delay an eager step (background
+            # start-up serves eagerly before any graph is live)
+            return self.runner.model(ids, positions)
         return self._forward_fn(ids, positions)
 
     def _poison_pads(self) -> None:
@@ -244,13 +283,42 @@ class GraphManager:
             self._poisoners[self._replaying](desc, self._poison_gen)
 
 
-def _compile_key(desc: BatchExecutionDescriptor, ctx: ForwardContext) -> dict[str, Any]:
-    """What a traced forward specialises on besides tensor shapes."""
-    groups = {(m.block_size, m.max_seq_len, m.max_query_len)
-              for m in (getattr(x, "common", x) for x in ctx.attn_metadata.values())}
-    return {"mode": desc.mode.name, "num_tokens_padded": desc.num_tokens_padded,
-            "num_reqs_padded": desc.num_reqs_padded,
-            "uniform_query_len": desc.uniform_query_len, "metadata": sorted(groups)}
+def _compile_key(desc: BatchExecutionDescriptor, ctx: ForwardContext, symbolic_batch: bool
+                 ) -> dict[str, Any]:
+    """What a traced forward specialises on besides tensor shapes.
+
+    NOTE: inlined attention reads the block size alone of the metadata's constants (it
+    covers every column of the block table it is handed): max_seq_len and max_query_len
+    follow max_model_len and the batch, and would split the cache for nothing.
+    """
+    block_sizes = {m.block_size for m in (getattr(x, "common", x)
+                                          for x in ctx.attn_metadata.values())}
+    key = {"mode": desc.mode.name, "uniform_query_len": desc.uniform_query_len,
+           "block_sizes": sorted(block_sizes)}
+    if symbolic_batch:
+        return {**key, "symbolic_batch": True}
+    return {**key, "num_tokens_padded": desc.num_tokens_padded,
+            "num_reqs_padded": desc.num_reqs_padded}
+
+
+def _symbolic_dims(named: dict[str, torch.Tensor], ctx: ForwardContext, batch: bool
+                   ) -> dict[str, tuple[int, ...]]:
+    """Dimensions a compiled forward traces as symbols, by tensor name: each KV cache's
+    block count (dim 1 of [2, num_blocks, block_size, kv_heads, head_dim]), each block
+    table's width (blocks read per request, cut at each replay) and, with ``batch``, the
+    leading (token or request) dimension of every input buffer view, so one artifact
+    serves every ladder size."""
+    tables = {memory_identity(getattr(m, "common", m).block_table)
+              for m in ctx.attn_metadata.values()}
+    dims: dict[str, tuple[int, ...]] = {}
+    for name, t in named.items():
+        wide = t.dim() > 1 and t.shape[1] >= MIN_DYNAMIC_SIZE
+        if name.startswith("kv.") and wide:
+            dims[name] = (1,)
+        elif name.startswith("input."):
+            dims[name] = ((0,) if batch else ()) + ((1,) if memory_identity(t) in tables
+                                                     and wide else ())
+    return {name: d for name, d in dims.items() if d}
 
 
 def artifact_cache(runner: GraphRunner, config: Any) -> Any:

@@ -51,7 +51,8 @@ def apply_chat_template(tokenizer, conversation: Conversation, chat_template: st
     if template is None:
         raise ValueError(f"model {model!r} has no chat template (GGUF metadata "
                          "tokenizer.chat_template, chat_template.jinja or tokenizer_config."
-                         "json): pass chat_template=...")
+                         "json): pass one (LLM.chat(..., chat_template=...), or "
+                         "`rung generate --chat --chat-template FILE`)")
     text = render_chat(template, conversation, add_generation_prompt,
                        bos_token=tokenizer.id_to_token(tokenizer.bos_token_id),
                        eos_token=tokenizer.id_to_token(tokenizer.eos_token_id))

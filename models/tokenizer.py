@@ -21,7 +21,13 @@ class ByteTokenizer:
     def id_to_token(self, token_id: int | None) -> str | None:
         return None if token_id is None else {0: "<pad>", 1: "<s>", 2: "</s>"}.get(token_id)
 
-    def decode(self, token_ids: list[int]) -> str:
+    _SPECIALS = {0: "<pad>", 1: "<s>", 2: "</s>"}
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        if not skip_special_tokens:
+            return _join_special(self, token_ids, spaces_between_special_tokens,
+                                 self._SPECIALS)
         data = bytes(t - self._OFFSET for t in token_ids
                      if self._OFFSET <= t < self._OFFSET + 256)
         return data.decode("utf-8", errors="replace")
@@ -51,11 +57,35 @@ class HFTokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            return self._tok.decode(token_ids, skip_special_tokens=True)
+        specials = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()
+                    if t.special}
+        return _join_special(self, token_ids, spaces_between_special_tokens, specials)
 
     def id_to_token(self, token_id: int | None) -> str | None:
         return None if token_id is None else self._tok.id_to_token(token_id)
+
+
+def _join_special(tokenizer, token_ids: list[int], spaces: bool,
+                  specials: dict[int, str]) -> str:
+    """Text with special tokens kept: runs of ordinary tokens decoded as a whole, each
+    special token as its own text, joined by a space when ``spaces`` (vLLM's
+    ``spaces_between_special_tokens``)."""
+    pieces, run = [], []
+    for t in token_ids:
+        if t in specials:
+            if run:
+                pieces.append(tokenizer.decode(run))
+                run = []
+            pieces.append(specials[t])
+        else:
+            run.append(t)
+    if run:
+        pieces.append(tokenizer.decode(run))
+    return (" " if spaces else "").join(pieces)
 
 
 def load_tokenizer(folder: str, cfg: dict):

@@ -47,6 +47,9 @@ def parse_dtype(dtype: str | torch.dtype, device: torch.device,
     return _DTYPES[dtype]
 
 
+GRAPH_STARTUPS = ("auto", "background", "blocking")
+
+
 @dataclasses.dataclass
 class CompilationConfig:
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.FULL_AND_PIECEWISE
@@ -60,6 +63,11 @@ class CompilationConfig:
     max_cudagraph_capture_size: int | None = None
     # compiled CPU graphs persist here; None -> $RUNG_CACHE_DIR or ~/.cache/rung; "" -> off
     cache_dir: str | None = None
+    # "background": LLM(...) returns once eager can serve; graphs go live one by one between
+    # steps (compiled CPU graphs compile in a subprocess). "blocking": every graph is live
+    # before LLM(...) returns. "auto": background but for emulated graphs (the tests' oracle)
+    # and data parallel (ranks must agree on the graphs they replay).
+    graph_startup: str = "auto"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> CompilationConfig:
@@ -74,6 +82,9 @@ class CompilationConfig:
         if raw.get("backend", "eager") not in ("eager", "inductor"):
             raise ValueError(f"compilation_config backend {raw['backend']!r} not in "
                              "('eager', 'inductor')")
+        if raw.get("graph_startup", "auto") not in GRAPH_STARTUPS:
+            raise ValueError(f"compilation_config graph_startup {raw['graph_startup']!r} not in "
+                             f"{GRAPH_STARTUPS}")
         cap = raw.get("max_cudagraph_capture_size")
         if cap is not None and (not _is_int(cap) or cap < 1):
             raise ValueError(f"compilation_config max_cudagraph_capture_size={cap!r} must be "
@@ -139,6 +150,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     num_gpu_blocks_override: int | None = None
+    # share of free device memory (CUDA) or of RAM (CPU) for the KV cache; None -> half
+    # the free device memory, 2 GiB on CPU
+    gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
     compilation: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
     attention_backend: str = "auto"
@@ -168,6 +182,10 @@ class EngineConfig:
                                                or self.max_model_len < 1):
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer "
                              "(or None for the model's own maximum)")
+        share = self.gpu_memory_utilization
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                                  or not 0 < share <= 1):
+            raise ValueError(f"gpu_memory_utilization={share!r} must be a number in (0, 1]")
         if not _is_int(self.seed):
             raise ValueError(f"seed={self.seed!r} must be an integer")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -43,6 +43,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_p: float = 0.0              # drop tokens below min_p x the most likely one's probability
     prompt_logprobs: int | None = None   # top-N logprobs per prompt token (plus the actual one)
+    skip_special_tokens: bool = True            # special tokens (EOS, BOS) left out of text
+    spaces_between_special_tokens: bool = True  # kept special tokens set apart by a space
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -75,6 +77,9 @@ class SamplingParams:
             _require(MIN_SEED <= self.seed and self.seed + self.n - 1 <= MAX_SEED, "seed",
                      self.seed, "in torch's range [-2**63, 2**64 - 1]"
                      + (f" with seed + n - 1 (n={self.n}) too" if self.n > 1 else ""))
+        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+            _require(isinstance(getattr(self, name), bool), name, getattr(self, name),
+                     "True or False")
         _require(isinstance(self.output_kind, RequestOutputKind), "output_kind",
                  self.output_kind, "a RequestOutputKind")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,

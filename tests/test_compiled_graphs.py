@@ -31,7 +31,8 @@ KWARGS = dict(max_num_seqs=4, max_model_len=64, num_gpu_blocks_override=24)
 def _compiled(model: str, sizes: list[int], cache_dir: str | None = None) -> LLM:
     return LLM(model, compilation_config={"cudagraph_mode": "full_decode_only",
                                           "cudagraph_capture_sizes": sizes,
-                                          "graph_backend": "compiled", "cache_dir": cache_dir},
+                                          "graph_backend": "compiled", "cache_dir": cache_dir,
+                                          "graph_startup": "blocking"},
                **KWARGS)
 
 
@@ -81,6 +82,29 @@ def test_second_start_loads_and_a_corrupt_entry_is_rebuilt(tmp_path):
     assert _tokens(third, 2) == want
 
 
+def test_engines_that_differ_in_kv_and_batch_limits_share_the_artifact(tmp_path):
+    """The cache key holds what the compiled code depends on: another max_num_seqs,
+    max_model_len or KV cache size (a benchmark's --output-len) loads, never recompiles."""
+    sizes = {"cudagraph_mode": "full_decode_only", "cudagraph_capture_sizes": [2],
+             "graph_backend": "compiled", "cache_dir": str(tmp_path),
+             "graph_startup": "blocking"}
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    first = LLM("tiny-llama", compilation_config=sizes, max_num_seqs=2, max_model_len=64,
+                num_gpu_blocks_override=24)
+    [record] = first.engine.runner.graphs.records
+    assert record.compile_s is not None
+    other = dict(max_num_seqs=8, max_model_len=128, num_gpu_blocks_override=40)
+    second = LLM("tiny-llama", compilation_config=sizes, **other)
+    [record] = second.engine.runner.graphs.records
+    assert record.compile_s is None and record.load_s is not None
+    want = LLM("tiny-llama", enforce_eager=True, **other).generate(prompts, params)
+    got = second.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert second.engine.stats()["graph_replays"].get("FULL:2", 0) > 0
+    assert len(list(tmp_path.glob("compiled/*/artifact.bin"))) == 1
+
+
 def test_second_start_with_mtp_loads_the_verify_graph(tmp_path):
     """Gemma 4 (two KV cache groups) with its MTP drafter: the verify-shaped FULL graph is
     loaded from the disk cache on the second start and replays eager's tokens. Each group's
@@ -91,7 +115,8 @@ def test_second_start_with_mtp_loads_the_verify_graph(tmp_path):
     engine = dict(speculative_config=spec, max_num_seqs=1, max_model_len=64,
                   num_gpu_blocks_override=24)
     compiled = {"cudagraph_mode": "full_decode_only", "cudagraph_capture_sizes": [4],
-                "graph_backend": "compiled", "cache_dir": str(tmp_path)}
+                "graph_backend": "compiled", "cache_dir": str(tmp_path),
+             "graph_startup": "blocking"}
     prompt = [{"prompt_token_ids": [1, 5, 9, 200, 17]}]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = LLM("tiny-gemma4", enforce_eager=True, **engine).generate(prompt, params)

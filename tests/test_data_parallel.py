@@ -206,3 +206,19 @@ def test_cli_bench_latency_spawns_ranks(capsys):
     waste = {(r[1], r[2]): r[-1] for r in rows}
     assert waste[("1", "0")] == "0.0%" and waste[("1", "1")] == "100.0%"
     assert set(waste) == {("1", "0"), ("1", "1"), ("3", "0"), ("3", "1")}
+
+
+@pytest.mark.slow
+def test_spawned_ranks_leak_nothing_and_the_bar_counts_every_rank():
+    """`rung generate --data-parallel-size 2`: ranks exit cleanly (no semaphore a killed
+    rank leaks, as tqdm's lock did) and rank 0's bar counts both ranks' prompts."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "rung.cli.main", "generate", "--model", "tiny-llama",
+           "--enforce-eager", "--data-parallel-size", "2", "--max-tokens", "2",
+           "--max-model-len", "32", "--max-num-seqs", "4", "a", "b", "c", "d"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "leaked" not in run.stderr, run.stderr[-2000:]
+    assert "4/4" in run.stderr, run.stderr[-2000:]

@@ -221,3 +221,21 @@ def test_smollm2_streams_deltas_that_add_up_to_the_full_decode(smol_tokenizer):
     deltas = [o.outputs[0].text for o in outs]
     assert "".join(deltas) == tok.decode(ids) and len(ids) > 4
     assert all(REPLACEMENT_CHAR not in d for d in deltas[:-1])
+
+
+class _KV:
+    def advance(self, req) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    ({}, "HI"),
+    ({"skip_special_tokens": False}, "H </s> I"),
+    ({"skip_special_tokens": False, "spaces_between_special_tokens": False}, "H</s>I")])
+def test_special_tokens_in_the_text_follow_the_sampling_params(kwargs, text):
+    from rung.runtime.sched.request import Request
+
+    req = Request("r", None, [1], SamplingParams(**kwargs), None, 0, ByteTokenizer())
+    req.start()
+    req.commit([ord("H") + 3, 2, ord("I") + 3], 1, _KV(), lambda token: None)
+    assert req.detokenizer.text_at(req.num_output_tokens, True) == text

@@ -46,8 +46,14 @@ def test_unknown_mode():
         CUDAGraphMode.parse("fullish")
 
 
+def _all_live(d: Dispatcher) -> Dispatcher:
+    for key in d.capture_descriptors():
+        d.go_live(key)
+    return d
+
+
 def test_dispatch_decode_mixed_and_oversized():
-    d = Dispatcher(CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2, 4, 8], max_num_reqs=8)
+    d = _all_live(Dispatcher(CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2, 4, 8], max_num_reqs=8))
     decode = d.dispatch(3, 3, 1)
     assert (decode.mode, decode.num_reqs_padded, decode.num_tokens_padded) == (
         CUDAGraphMode.FULL, 4, 4)
@@ -59,8 +65,8 @@ def test_dispatch_decode_mixed_and_oversized():
 
 
 def test_spec_verify_batches_pad_whole_requests():
-    d = Dispatcher(CUDAGraphMode.FULL_AND_PIECEWISE, [4, 8, 16], max_num_reqs=4,
-                   decode_query_len=4)
+    d = _all_live(Dispatcher(CUDAGraphMode.FULL_AND_PIECEWISE, [4, 8, 16], max_num_reqs=4,
+                             decode_query_len=4))
     desc = d.dispatch(3, 12, 4)
     assert (desc.mode, desc.num_reqs_padded, desc.num_tokens_padded) == (
         CUDAGraphMode.FULL, 4, 16)
@@ -85,3 +91,20 @@ def test_capture_order_piecewise_first_largest_first():
     assert order == [(CUDAGraphMode.PIECEWISE, 4), (CUDAGraphMode.PIECEWISE, 2),
                      (CUDAGraphMode.PIECEWISE, 1), (CUDAGraphMode.FULL, 4),
                      (CUDAGraphMode.FULL, 2), (CUDAGraphMode.FULL, 1)]
+
+
+def test_a_size_replays_only_once_its_graph_is_live():
+    """Graphs go live one at a time (built in the background): until a size's graph is
+    live, its batches run eagerly; dispatch hands out only keys that are live."""
+    d = Dispatcher(CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2, 4], max_num_reqs=4)
+    assert d.dispatch(2, 2, 1).mode == CUDAGraphMode.NONE
+    [full_2] = [k for k in d.capture_descriptors()
+                if k.mode == CUDAGraphMode.FULL and k.num_tokens_padded == 2]
+    d.go_live(full_2)
+    decode = d.dispatch(2, 2, 1)
+    assert (decode.mode, decode.num_reqs_padded) == (CUDAGraphMode.FULL, 2)
+    assert d.graph_key(decode) == full_2
+    assert d.dispatch(3, 3, 1).mode == CUDAGraphMode.NONE       # size 4: not live yet
+    assert d.dispatch(1, 2, None).mode == CUDAGraphMode.NONE    # mixed: PIECEWISE not live
+    with pytest.raises(ValueError, match="not a graph key"):
+        d.go_live(decode)                                      # real counts: not a key

@@ -133,3 +133,20 @@ def test_drafter_that_does_not_fit_the_target_is_rejected():
         LLM("tiny-gemma4", speculative_config={"method": "mtp", "model": "tiny-llama",
                                                "num_speculative_tokens": 2},
             enforce_eager=True, **ENGINE)
+
+
+def test_draft_graphs_are_captured_under_the_descriptors_a_draft_step_replays():
+    """Every draft step a request count can dispatch finds a graph captured under that very
+    descriptor (padded sizes and query length), not one that matches by accident."""
+    llm = LLM("tiny-gemma4", speculative_config=_mtp(1), max_model_len=32, max_num_seqs=2,
+              dtype="float32", compilation_config={"cudagraph_mode": "full_decode_only",
+                                                   "cudagraph_capture_sizes": [2, 4]})
+    proposer = llm.engine.proposer
+
+    def shape(d):
+        return (d.mode, d.num_reqs_padded, d.num_tokens_padded, d.uniform_query_len)
+
+    captured = {shape(d) for d in proposer.captured}
+    replayed = {shape(proposer.dispatcher.dispatch(n, n, 1)) for n in range(1, 3)}
+    assert replayed and replayed <= captured, (replayed, captured)
+    assert len(llm.engine.runner.graphs.records) > len(proposer.captured) > 0

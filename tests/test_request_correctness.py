@@ -225,3 +225,40 @@ def test_bad_input_types_are_value_errors(prompt, params, match):
     with pytest.raises(ValueError, match=match):
         engine.add_request("bad", prompt, SamplingParams(**params))
     assert not engine.has_unfinished_requests()
+
+
+# --- 9. the engine's config is its own ------------------------------------------------------
+def test_the_engine_keeps_its_own_copy_of_the_config():
+    import torch
+
+    from rung.runtime.config import EngineConfig
+    from rung.runtime.engine import LLMEngine
+
+    config = EngineConfig("tiny-llama", torch.float32, torch.device("cpu"), max_num_seqs=2,
+                          max_model_len=32, enforce_eager=True, debug_padding=False)
+    engine = LLMEngine(config)
+    config.debug_padding, config.device = True, torch.device("meta")   # the caller's, later
+    assert engine.config is not config and engine.runner.config is engine.config
+    assert (engine.config.debug_padding, engine.config.device) == (False, torch.device("cpu"))
+    engine.add_request("r", {"prompt_token_ids": [5, 6]}, _greedy(2))
+    assert len(_drain(engine)["r"].outputs[0].token_ids) == 2
+
+
+# --- 12. KV capacity per group, and which group ran out ------------------------------------
+def test_kv_capacity_is_reported_per_group_and_names_the_group_that_ran_out(debug_padding):
+    engine = LLM("tiny-gemma4", enforce_eager=True, max_model_len=128, dtype="float32",
+                 num_gpu_blocks_override=4).engine      # 2 KV cache groups of 4 blocks
+    stats = engine.stats()
+    assert stats["kv_total_blocks"] == 4 == stats["kv_free_blocks"]
+    assert [g["total_blocks"] for g in stats["kv_groups"]] == [4, 4]
+    engine.add_request("long", {"prompt_token_ids": [5] * 100}, _greedy(1))
+    engine.add_request("grows", {"prompt_token_ids": [5] * 60}, _greedy(20, ignore_eos=True))
+    done = _drain(engine)
+    long, grows = done["long"].outputs[0], done["grows"].outputs[0]
+    assert long.finish_reason == grows.finish_reason == "error"
+    assert "(full attention), which holds 4 blocks (64 tokens)" in long.error, long.error
+    assert "can never run" in long.error
+    # 60 + 4 tokens fill 64 slots; the 5th output token has no slot for its KV
+    assert "65 tokens need 5 blocks" in grows.error and "after 5 output tokens" in grows.error
+    assert "shorten the prompt" not in grows.error
+    assert _all_free(engine)

@@ -116,7 +116,10 @@ def test_bad_sampling_params(kwargs, match):
     ({"device": "tpu"}, "device 'tpu' is not one of"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 100}},
      "from 1 to 16"),
-    ({"compilation_config": {"max_cudagraph_capture_size": 0}}, "max_cudagraph_capture_size")])
+    ({"compilation_config": {"max_cudagraph_capture_size": 0}}, "max_cudagraph_capture_size"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is unsupported"),
+    ({"trust_remote_code": True}, "trust_remote_code=True is unsupported"),
+    ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization=1.5 must be a number in \(0, 1\]")])
 def test_bad_engine_args_fail_before_loading(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM("tiny-llama", enforce_eager=True, **kwargs)
@@ -129,3 +132,21 @@ def test_default_ladder_is_capped():
     assert capture_sizes(None, 100000, 0, 100000, max_capture_size=64)[-1] == 64
     assert capture_sizes(None, 100000, 0, 100000, short=True) == [1 << i for i in range(10)]
     assert capture_sizes(None, 12, 0, 8192, short=True) == [1, 2, 4, 8, 12]
+
+
+def test_gpu_memory_utilization_sizes_the_kv_cache():
+    args = {"enforce_eager": True, "max_model_len": 64, "max_num_seqs": 4,
+            "tensor_parallel_size": 1, "trust_remote_code": False}
+    roomy = LLM("tiny-llama", gpu_memory_utilization=0.9, **args).engine.stats()
+    assert roomy["kv_total_blocks"] == 4 * 64 // 16        # every sequence at full length
+    # a sliver of RAM: the floor of one sequence at max_model_len
+    tiny = LLM("tiny-llama", gpu_memory_utilization=1e-12, **args).engine.stats()
+    assert tiny["kv_total_blocks"] == 64 // 16
+
+
+def test_capture_sizes_below_the_largest_batch_warn_which_batches_run_eagerly(caplog):
+    with caplog.at_level("WARNING", logger="rung.runtime.engine"):
+        LLM("tiny-llama", max_num_seqs=16, max_model_len=32,
+            compilation_config={"cudagraph_capture_sizes": [1, 2],
+                                "cudagraph_mode": "full_decode_only"})
+    assert "batches of 3 to 16 tokens (max_num_seqs=16 x 1) run eagerly" in caplog.text

@@ -3,6 +3,8 @@
 import json
 
 from rung.cli.main import main
+from rung.runtime import LLM, SamplingParams
+from rung.runtime.tools.verify import guard_kv
 from rung.runtime.worker.input_batch import InputBatch
 
 ARGS = ["verify", "--model", "tiny-llama", "--max-num-seqs", "2", "--max-model-len", "64",
@@ -64,3 +66,14 @@ def test_ramp_never_runs_a_request_out_of_positions():
     prompts = {rid: len(p["prompt_token_ids"]) for arrivals in steps for rid, p in arrivals}
     longest = max(prompts[rid] + len(ids) for out in trace.tokens for rid, ids in out.items())
     assert longest + 1 + k <= max_model_len     # room for one more verify step
+
+
+def test_guard_kv_passes_the_data_parallel_argument_through():
+    engine = LLM("tiny-llama", enforce_eager=True, max_num_seqs=2, max_model_len=32).engine
+    guard_kv(engine)
+    engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=1))
+    sched = engine.scheduler.schedule()
+    block_ids = [engine.kv.block_ids(s.request.request_id) for s in sched.scheduled]
+    # NOTE: an engine under data parallel passes num_tokens_across_dp third (None without)
+    out = engine.runner.execute(sched, block_ids, None)
+    assert len(out.sampled["r"]) == 1

@@ -40,11 +40,24 @@ class LLM:
                  capture_progress: Callable | None = None,
                  data_parallel_size: int = 1,
                  data_parallel_routing: str = "round_robin",
-                 data_parallel_timeout_s: float = 120.0) -> None:
+                 data_parallel_timeout_s: float = 120.0,
+                 gpu_memory_utilization: float | None = None,
+                 tensor_parallel_size: int = 1, trust_remote_code: bool = False) -> None:
         """``data_parallel_size`` > 1: this process is one rank (under torchrun, or spawned
         by `rung ... --data-parallel-size N`); every rank builds the same LLM and passes the
         same prompts to `generate`, which runs each rank's share (``data_parallel_routing``:
-        round_robin or least_tokens) and returns every output on every rank."""
+        round_robin or least_tokens) and returns every output on every rank.
+
+        ``gpu_memory_utilization``: the share of free device memory (CUDA) or of RAM (CPU)
+        the KV cache may take. ``tensor_parallel_size`` > 1 and ``trust_remote_code`` are
+        vLLM's names for what rung does not do (ValueError)."""
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} is unsupported: "
+                             "rung runs a model on one device (data_parallel_size runs "
+                             "copies side by side)")
+        if trust_remote_code:
+            raise ValueError("trust_remote_code=True is unsupported: rung runs only its own "
+                             "model code (Llama, Qwen3, Gemma 4), never a folder's")
         if data_parallel_routing not in ROUTING_POLICIES:
             raise ValueError(f"data_parallel_routing {data_parallel_routing!r} not in "
                              f"{ROUTING_POLICIES}")
@@ -59,6 +72,7 @@ class LLM:
             max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, num_gpu_blocks_override=num_gpu_blocks_override,
+            gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
             compilation=CompilationConfig.from_dict(compilation_config),
             attention_backend=attention_backend,
@@ -70,6 +84,12 @@ class LLM:
         if debug_padding is not None:
             config.debug_padding = debug_padding
         self.engine = LLMEngine(config, capture_progress)
+
+    def wait_for_graphs(self, timeout: float | None = None) -> bool:
+        """Block until every graph on the ladder is live (at most ``timeout`` seconds);
+        True when they all are. Until then batches of a size without its graph run eagerly,
+        with the same tokens."""
+        return self.engine.wait_for_graphs(timeout)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -119,30 +139,36 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         done = self._run({rid for rid, here in zip(ids, mine) if here},
-                         use_tqdm and (dp is None or dp.rank == 0))
+                         use_tqdm and (dp is None or dp.rank == 0), len(ids))
         if dp is not None:
             done = self._gather_outputs(done)
         return [dataclasses.replace(done[rid], request_id=str(rid)) for rid in ids]
 
-    def _run(self, ids: set[GenerateId], use_tqdm: bool) -> dict[GenerateId, RequestOutput]:
+    def _run(self, ids: set[GenerateId], use_tqdm: bool, num_all: int
+             ) -> dict[GenerateId, RequestOutput]:
         """Step until the prompts ``ids`` (under data parallel: every rank's) are done.
         Outputs of requests added to the engine directly go back to it, for its next
-        ``step()`` to return."""
+        ``step()`` to return. The bar counts all ``num_all`` prompts (every rank's, from
+        each step's data-parallel sync)."""
         done: dict[GenerateId, RequestOutput] = {}
-        num_prompts = len(ids)
-        bar = tqdm(total=num_prompts, desc="Processed prompts", unit="prompt", file=sys.stderr,
+        num_prompts, dp = len(ids), self.engine.dp
+        bar = tqdm(total=num_all, desc="Processed prompts", unit="prompt", file=sys.stderr,
                    disable=not use_tqdm)
+        base = self.engine.dp_num_finished
         num_output_tokens = 0
         self.engine.all_ranks_idle = False
         try:
             while self._keep_stepping(len(done) < num_prompts):
                 outputs = self.engine.step()
                 self.engine.requeue_outputs([o for o in outputs if o.request_id not in ids])
+                if dp is not None:    # every rank's finished prompts, as of this step's sync
+                    bar.update(min(self.engine.dp_num_finished - base, num_all) - bar.n)
                 for out in outputs:
                     if out.finished and out.request_id in ids:
                         done[out.request_id] = out
                         num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
-                        bar.update(1)
+                        if dp is None:
+                            bar.update(1)
                         elapsed = bar.format_dict["elapsed"]
                         if elapsed > 0:
                             bar.set_postfix_str(

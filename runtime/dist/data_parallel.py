@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 ROUTING_POLICIES = ("round_robin", "least_tokens")
 # sync vector layout, one row per rank
-_NUM_TOKENS, _NUM_REQS, _UNFINISHED = range(3)
+_NUM_TOKENS, _NUM_REQS, _UNFINISHED, _FINISHED = range(4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,7 @@ class DPStep:
     any_unfinished: bool             # some rank still holds a request
     num_tokens_padded: int           # what every rank runs (a ladder size under graphs)
     num_draft_tokens_padded: int     # what every rank's draft step runs (one per request)
+    num_finished: tuple[int, ...] = ()   # finished outputs each rank's step() returned so far
 
     @property
     def any_work(self) -> bool:
@@ -120,14 +121,17 @@ class DataParallelGroup:
     # --- one step ------------------------------------------------------------------------
     def sync(self, num_reqs: int, num_tokens: int, has_unfinished: bool,
              padded_size: Callable[[int], int | None],
-             draft_padded_size: Callable[[int], int | None] | None) -> DPStep:
-        """One all-gather of (tokens, requests, unfinished) per rank -> the padded sizes.
+             draft_padded_size: Callable[[int], int | None] | None,
+             num_finished: int = 0) -> DPStep:
+        """One all-gather of (tokens, requests, unfinished, finished so far) per rank -> the
+        padded sizes (and every rank's progress, for one progress bar).
 
         ``padded_size(n)``: the graph size n tokens pad to (None: above the ladder or no
         graphs), from the dispatcher, which every rank shares (checked at start-up).
         """
-        mine = torch.tensor([num_tokens, num_reqs, int(has_unfinished)], dtype=torch.int64)
-        rows = torch.empty(self.world_size, 3, dtype=torch.int64)
+        mine = torch.tensor([num_tokens, num_reqs, int(has_unfinished), num_finished],
+                            dtype=torch.int64)
+        rows = torch.empty(self.world_size, len(mine), dtype=torch.int64)
         dist.all_gather(list(rows.unbind(0)), mine)
         table = rows.tolist()
         tokens = tuple(r[_NUM_TOKENS] for r in table)
@@ -135,7 +139,8 @@ class DataParallelGroup:
         max_tokens, max_reqs = max(tokens), max(reqs)
         step = DPStep(tokens, reqs, any(r[_UNFINISHED] for r in table),
                       padded_size(max_tokens) or max_tokens,
-                      (draft_padded_size(max_reqs) if draft_padded_size else None) or max_reqs)
+                      (draft_padded_size(max_reqs) if draft_padded_size else None) or max_reqs,
+                      tuple(r[_FINISHED] for r in table))
         if step.any_work:
             self.stats.record(step, self.rank)
         return step
@@ -236,16 +241,32 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (),
         for p in procs:
             p.start()
     try:
-        return _collect(procs, results, world_size, timeout_s)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        out = _collect(procs, results, world_size, timeout_s)
+    except BaseException:
+        _end(procs, grace_s=0)
+        raise
+    # NOTE: a rank that reported is still leaving its process group; ended by terminate()
+    # it would skip its finalizers and leak its semaphores (tqdm's lock, one per rank)
+    _end(procs, grace_s=30)
+    results.close()
+    results.join_thread()
+    return out
+
+
+def _end(procs: list, grace_s: float) -> None:
+    """Join every rank, waiting up to ``grace_s`` for it to exit; terminate, then kill,
+    what is left."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(deadline - time.monotonic(), 0))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ class EngineDataParallel:
         if drafter is not None:
             shard_experts(drafter, rank, size)
 
-    def sync(self, sched: SchedulerOutput, has_unfinished: bool) -> DPStep:
+    def sync(self, sched: SchedulerOutput, has_unfinished: bool, num_finished: int) -> DPStep:
         """Every rank agrees on this step's padded sizes; a rank with no request while
         another has some runs their sizes on pads (a dummy step) here."""
         graphs = self.runner.graphs
@@ -41,7 +41,8 @@ class EngineDataParallel:
                   if graphs is not None and graphs.mode != CUDAGraphMode.NONE else no_graph)
         drafts = getattr(self.proposer, "dispatcher", None)
         step = self.group.sync(sched.num_reqs, sched.num_tokens, has_unfinished, padded,
-                               drafts.padded_size if drafts is not None else None)
+                               drafts.padded_size if drafts is not None else None,
+                               num_finished)
         if step.any_work and not sched.scheduled:
             self.runner.execute_dummy(step.num_tokens_across_dp())
             if self.proposer is not None:

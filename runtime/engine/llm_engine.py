@@ -5,6 +5,7 @@ One step: schedule -> (data parallel: sync) -> execute -> commit -> outputs -> p
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from typing import Any, Callable
@@ -16,7 +17,7 @@ from rung.runtime.engine.data_parallel import EngineDataParallel
 from rung.runtime.engine.output_processor import OutputProcessor
 from rung.runtime.engine.parallel_sampling import ParallelSampling, ParentRequest
 from rung.runtime.engine.processor import InputProcessor, Prompt
-from rung.runtime.engine.startup import capture_graphs, load_target, log_setup, make_proposer
+from rung.runtime.engine.startup import GraphStartup, load_target, log_setup, make_proposer
 from rung.runtime.engine.stats import EngineStats
 from rung.runtime.log import configure_logging
 from rung.runtime.outputs import RequestOutput
@@ -36,9 +37,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig,
                  capture_progress: Callable[[CaptureRecord], None] | None = None) -> None:
         configure_logging()
-        self.config = config
+        # NOTE: the engine's own copy: it settles fields (the data-parallel device) and
+        # reads others every step; the caller's object is never written nor read again
+        self.config = config = copy.deepcopy(config)
         self.dp: DataParallelGroup | None = None
         self.all_ranks_idle = False      # data parallel: the last step's sync found no work
+        self.num_finished_outputs = 0    # finished outputs step() has returned
+        self.dp_num_finished = 0         # data parallel: the same, all ranks, at the last sync
         if config.data_parallel_size > 1:
             self.dp, config.device = init_data_parallel(
                 config.data_parallel_size, config.device, config.data_parallel_timeout_s)
@@ -64,10 +69,14 @@ class LLMEngine:
         self._dp_engine = (EngineDataParallel(self.dp, config, self.runner, self.proposer,
                                               self.max_model_len)
                            if self.dp is not None else None)
+        self.graph_startup: GraphStartup | None = None
         if config.enforce_eager:
             logger.info("enforce_eager: no graphs, every step runs eagerly")
         else:
-            capture_graphs(self.runner, self.proposer, config, capture_progress)
+            self.graph_startup = GraphStartup(self.runner, self.proposer, config,
+                                              capture_progress, self.dp is not None,
+                                              self.max_model_len)
+        self.graph_builder = self.graph_startup.builder if self.graph_startup else None
         sweep_attention_shapes(self.runner)
         self._stats.warmed_up()
 
@@ -111,6 +120,10 @@ class LLMEngine:
         still hold blocks."""
         return self.kv.reset_prefix_cache()
 
+    def wait_for_graphs(self, timeout: float | None = None) -> bool:
+        """Bring every graph live now (at most ``timeout`` seconds); True when all are."""
+        return self.graph_startup is None or self.graph_startup.wait(timeout)
+
     def has_unfinished_requests(self) -> bool:
         """Requests still running or waiting, or outputs still to be returned by step()."""
         return self.scheduler.has_unfinished() or bool(self._requeued)
@@ -119,6 +132,7 @@ class LLMEngine:
         """Outputs a caller took from ``step()`` but does not own (``LLM.generate`` stepping
         beside requests added directly): the next ``step()`` returns them first, in order."""
         self._requeued += outputs
+        self.num_finished_outputs -= sum(out.finished for out in outputs)   # counted again
 
     def add_step_listener(self, listener: Callable[[ModelRunnerOutput], None]
                           ) -> Callable[[], None]:
@@ -133,14 +147,18 @@ class LLMEngine:
         """schedule -> (data parallel: sync) -> execute -> commit -> outputs -> propose;
         children of an ``n > 1`` request report as their parent. Under data parallel every
         rank must call it; loop until ``all_ranks_idle``."""
+        if self.graph_startup is not None:
+            self.graph_startup.advance()
         sched = self.scheduler.schedule()
         outputs = [self._finish(req, "error", self._never_fits(req))
                    for req in sched.errored]
         self._stats.counts["preemptions"] += len(sched.preempted)
         dp_step = None
         if self._dp_engine is not None:
-            dp_step = self._dp_engine.sync(sched, self.scheduler.has_unfinished())
+            dp_step = self._dp_engine.sync(sched, self.scheduler.has_unfinished(),
+                                           self.num_finished_outputs)
             self.all_ranks_idle = dp_step.all_idle
+            self.dp_num_finished = sum(dp_step.num_finished)
         if sched.scheduled:
             block_ids = [self.kv.block_ids(s.request.request_id) for s in sched.scheduled]
             if dp_step is None:
@@ -157,6 +175,7 @@ class LLMEngine:
             outputs = self._parallel.gather(outputs)
         if self._requeued:
             outputs, self._requeued = self._requeued + outputs, []
+        self.num_finished_outputs += sum(out.finished for out in outputs)
         return outputs
 
     def _commit(self, sched: SchedulerOutput, result: ModelRunnerOutput
@@ -213,10 +232,13 @@ class LLMEngine:
         return out
 
     def _never_fits(self, req: Request) -> str:
-        return (f"request {req.request_id!r} needs KV cache for {req.num_tokens} tokens but "
-                f"the whole cache holds {self.kv.num_total_blocks} blocks of "
-                f"{self.config.block_size} tokens: it can never run (shorten the prompt or "
-                "give the KV cache more blocks)")
+        """Why ``req`` failed: alone in the KV cache, it still did not fit."""
+        why = f"request {req.request_id!r}: {self.kv.shortage(req.num_tokens)}"
+        if req.num_output_tokens == 0:
+            return (f"{why}: it can never run (shorten the prompt or give the KV cache more "
+                    "blocks)")
+        return (f"{why}: it ran out of KV cache after {req.num_output_tokens} output tokens "
+                "(lower max_tokens or give the KV cache more blocks)")
 
     def stats(self) -> dict[str, Any]:
         return self._stats.as_dict(self)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -9,12 +10,14 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from rung.graphs.capture import resolve_graph_backend
+from rung.graphs.backends import resolve_graph_backend
+from rung.graphs.builder import GraphBuilder
 from rung.graphs.ladder import capture_sizes
 from rung.graphs.manager import TARGET, CaptureRecord, GraphManager, artifact_cache
 from rung.models.loader import LoadedModel, load_model
 from rung.models.registry import DraftModel
 from rung.runtime.config import EngineConfig
+from rung.runtime.engine.prefetch import start_prefetch
 from rung.runtime.spec.mtp import MtpProposer
 from rung.runtime.spec.ngram import NgramProposer
 from rung.runtime.spec.proposer import Proposer
@@ -69,39 +72,87 @@ def make_graph_manager(runner: ModelRunner, config: EngineConfig) -> GraphManage
                           comp.max_cudagraph_capture_size, short=runner.device.type == "cpu")
     compiled = resolve_graph_backend(comp.graph_backend, runner.device) == "compiled"
     cache = artifact_cache(runner, config) if compiled else None
+    _warn_if_batches_run_eagerly(sizes, config)
     return GraphManager(runner, comp.cudagraph_mode, sizes, 1 + config.num_spec_tokens,
                         comp.backend, comp.graph_backend, config.debug_padding, cache)
 
 
-def capture_graphs(runner: ModelRunner, proposer: Proposer | None, config: EngineConfig,
-                   capture_progress: Callable[[CaptureRecord], None] | None) -> None:
-    """Capture the target's graphs and the proposer's, with a progress bar on stderr."""
-    graphs = make_graph_manager(runner, config)
-    runner.use_graphs(graphs)
-    total = graphs.num_graphs_to_capture
-    sizes = graphs.dispatcher.sizes
-    logger.info("cudagraph mode %s, %s graphs: %d capture sizes %s", graphs.mode.name,
-                graphs.capture_backend.name, len(sizes), _short(sizes))
-    start = time.perf_counter()
-    bar = tqdm(total=total, desc="Capturing graphs", unit="graph", leave=False,
-               file=sys.stderr, disable=total == 0 or not logger.isEnabledFor(logging.INFO))
+def _warn_if_batches_run_eagerly(sizes: list[int], config: EngineConfig) -> None:
+    """User-given capture sizes below the largest batch the scheduler builds: say which
+    batches run eagerly (the default ladder says so itself)."""
+    if config.compilation.cudagraph_capture_sizes is None or not sizes:
+        return
+    step = 1 + config.num_spec_tokens
+    schedulable = min(config.max_num_seqs * step, config.max_num_batched_tokens)
+    if max(sizes) < schedulable:
+        logger.warning("cudagraph capture sizes %s stop at %d tokens: batches of %d to %d "
+                       "tokens (max_num_seqs=%d x %d) run eagerly", sizes, max(sizes),
+                       max(sizes) + 1, schedulable, config.max_num_seqs, step)
 
-    def progress(record: CaptureRecord) -> None:
-        bar.update(1)
-        if capture_progress is not None:
-            capture_progress(record)
 
-    try:
-        graphs.capture_all(progress)
+class GraphStartup:
+    """The engine's graphs going live: all before serving ("blocking"), or one at a time
+    between steps while eager serves ("background"), with a progress bar on stderr."""
+
+    def __init__(self, runner: ModelRunner, proposer: Proposer | None, config: EngineConfig,
+                 capture_progress: Callable[[CaptureRecord], None] | None,
+                 data_parallel: bool, max_model_len: int) -> None:
+        graphs = make_graph_manager(runner, config)
+        runner.use_graphs(graphs)
+        sizes = graphs.dispatcher.sizes
+        logger.info("cudagraph mode %s, %s graphs: %d capture sizes %s", graphs.mode.name,
+                    graphs.capture_backend.name, len(sizes), _short(sizes))
+        total = graphs.num_graphs_to_capture
+        self.bar = tqdm(total=total, desc="Graphs live", unit="graph", leave=False,
+                        file=sys.stderr,
+                        disable=total == 0 or not logger.isEnabledFor(logging.INFO))
+
+        def progress(record: CaptureRecord) -> None:
+            self.bar.update(1)
+            if capture_progress is not None:
+                capture_progress(record)
+
+        after = None
         if proposer is not None:
-            proposer.capture_all(graphs, progress)
-    finally:
-        bar.close()
+            after = functools.partial(proposer.capture_all, graphs, progress)
+        startup = config.compilation.graph_startup
+        if startup == "auto":
+            blocking = data_parallel or graphs.capture_backend.name == "emulated"
+            startup = "blocking" if blocking else "background"
+        prefetch = None
+        if startup == "background" and getattr(graphs.capture_backend, "cache", None) is not None:
+            prefetch = start_prefetch(config, max_model_len)
+        self.builder = GraphBuilder(graphs, after, progress, prefetch)
+        if startup == "background":
+            logger.info("serving eagerly from the first step; %d graphs go live as they are "
+                        "built (%s); llm.wait_for_graphs() waits for them", total,
+                        "compiling in a subprocess" if prefetch else "between steps")
+            return
+        start = time.perf_counter()
+        self.wait()
+        _log_captured(graphs, time.perf_counter() - start)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Bring every graph live now (at most ``timeout`` seconds); True when all are."""
+        done = self.builder.wait(timeout)
+        if done:
+            self.bar.close()
+        return done
+
+    def advance(self) -> None:
+        """Between two steps: at most one more graph goes live (see GraphBuilder)."""
+        if not self.builder.done:
+            self.builder.advance()
+            if self.builder.done:
+                self.bar.close()
+
+
+def _log_captured(graphs: GraphManager, seconds: float) -> None:
     draft = [r for r in graphs.records if r.graph != TARGET]
     logger.info("captured %d graphs%s in %.1f s (one-time tracing %.1f s), %.1f MiB",
                 len(graphs.records) - len(draft),
                 f" + {len(draft)} draft graphs" if draft else "",
-                time.perf_counter() - start, graphs.trace_seconds, graphs.pool_bytes / 2**20)
+                seconds, graphs.trace_seconds, graphs.pool_bytes / 2**20)
 
 
 def _short(sizes: list[int]) -> str:

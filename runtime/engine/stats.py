@@ -28,6 +28,9 @@ class EngineStats:
              "eager_steps": sum(n for (mode, _), n in self.steps.items()
                                 if mode == CUDAGraphMode.NONE),
              "graphs_captured": len(graphs.records) if graphs is not None else 0,
+             "graphs": (engine.graph_startup.builder.status()
+                        if engine.graph_startup is not None
+                        else {"live": [], "pending": [], "done": True}),
              "graph_replays": self._graph_replays(),
              "preemptions": self.counts["preemptions"],
              "num_running": len(sched.running),
@@ -54,7 +57,9 @@ class EngineStats:
 
 
 def kv_stats(kv: KVCacheManager) -> dict[str, Any]:
-    """Cached-free blocks are among the free ones (they are evictable), so
+    """Counts per KV cache group (every group has a pool of kv_total_blocks; free and
+    used are those of the fullest group; kv_groups has each): cached-free blocks are
+    among the free ones (they are evictable), so
     kv_free_blocks + kv_used_blocks == kv_total_blocks."""
     prefix = kv.prefix_stats
     held = [0] * len(kv.groups)
@@ -63,6 +68,7 @@ def kv_stats(kv: KVCacheManager) -> dict[str, Any]:
     return {"kv_cached_free_blocks": kv.num_cached_free_blocks,
             "kv_used_blocks": kv.num_used_blocks,
             "kv_blocks_held_per_group": held,
+            "kv_groups": kv.group_stats(),
             "prefix_cache": {"enabled": kv.enable_prefix_caching,
                              "queries": prefix.num_requests,
                              "query_tokens": prefix.num_query_tokens,

@@ -174,22 +174,49 @@ class KVCacheManager:
         self._pending_query: dict[str, tuple[int, int]] = {}   # looked up, not yet admitted
 
     # --- counts -----------------------------------------------------------------------
+    # NOTE: every group's pool has the same number of blocks and a request needs blocks
+    # in every group, so the counts are per group, not sums: total is what one group
+    # holds, free what the fullest group has left (free + used == total).
     @property
     def num_total_blocks(self) -> int:
-        return sum(p.num_blocks - 1 for p in self.pools)
+        """Blocks in each group's pool (the null block aside)."""
+        return self.pools[0].num_blocks - 1
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that can be handed out, cached-free (evictable) ones included."""
-        return sum(p.num_free for p in self.pools)
+        """Blocks that can still be handed out in every group, evictable cached ones
+        included."""
+        return min(p.num_free for p in self.pools)
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return sum(p.num_cached_free for p in self.pools)
+        return min(p.num_cached_free for p in self.pools)
 
     @property
     def num_used_blocks(self) -> int:
-        return sum(p.num_used for p in self.pools)
+        return max(p.num_used for p in self.pools)
+
+    def group_name(self, g: int) -> str:
+        window = self.lookback[g]
+        kind = "full attention" if window is None else f"sliding window {window}"
+        return f"KV cache group {g} ({kind})"
+
+    def group_stats(self) -> list[dict]:
+        return [{"group": g, "sliding_window": self.lookback[g],
+                 "total_blocks": pool.num_blocks - 1, "free_blocks": pool.num_free,
+                 "used_blocks": pool.num_used, "cached_free_blocks": pool.num_cached_free}
+                for g, pool in enumerate(self.pools)]
+
+    def shortage(self, num_tokens: int) -> str:
+        """Why ``num_tokens`` tokens of one request do not fit even alone: the group that
+        needs the most blocks (a sliding window frees what left it), and what it holds."""
+        num_blocks = -(-num_tokens // self.block_size)
+        live = [num_blocks - self._first_needed(g, num_tokens) for g in range(len(self.pools))]
+        g = max(range(len(live)), key=live.__getitem__)
+        total = self.num_total_blocks
+        return (f"{num_tokens} tokens need {live[g]} blocks of {self.block_size} tokens in "
+                f"{self.group_name(g)}, which holds {total} blocks "
+                f"({total * self.block_size} tokens)")
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block and the hit statistics (vLLM's `reset_prefix_cache`).

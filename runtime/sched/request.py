@@ -15,6 +15,7 @@ full, so a block is only ever hashed over its full, verified tokens.
 from __future__ import annotations
 
 import enum
+import functools
 from typing import TYPE_CHECKING, Callable
 
 from rung.runtime.detokenizer import IncrementalDetokenizer
@@ -52,7 +53,13 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None       # why it finished with "error"
         # the output text, grown as tokens arrive (None without a tokenizer)
-        self.detokenizer = (IncrementalDetokenizer(tokenizer.decode, self.token_ids,
+        decode = tokenizer.decode if tokenizer is not None else None
+        if decode is not None and not (params.skip_special_tokens
+                                       and params.spaces_between_special_tokens):
+            decode = functools.partial(
+                decode, skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens)
+        self.detokenizer = (IncrementalDetokenizer(decode, self.token_ids,
                                                    len(self.prompt_token_ids),
                                                    _stop_buffer_length(params))
                             if tokenizer is not None else None)

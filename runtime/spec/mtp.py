@@ -98,6 +98,7 @@ class MtpProposer(Proposer):
         self.graphs: GraphManager | None = None      # the target's, once drafts are captured
         # one query per request: FULL on the draft ladder, eager above it (or without graphs)
         self.dispatcher = Dispatcher(CUDAGraphMode.NONE, [], runner.max_num_reqs)
+        self.captured: list[BatchExecutionDescriptor] = []   # draft graphs, by descriptor
         self.graph_replays: collections.Counter = collections.Counter()   # "MODE:rows" -> steps
         self._poison_rng = np.random.default_rng(config.seed + 7)
 
@@ -152,14 +153,18 @@ class MtpProposer(Proposer):
                                     short=self.runner.device.type == "cpu")
         self.dispatcher = Dispatcher(CUDAGraphMode.FULL_DECODE_ONLY, sizes,
                                      self.runner.max_num_reqs)
+        # NOTE: captured under the very descriptors dispatch() returns for a draft step
+        # (FULL, one query per request, uniform_query_len 1), so replay finds its graph by
+        # the drafter's own descriptor, whatever the target's decode query length.
+        self.captured = self.dispatcher.capture_descriptors()
         with torch.inference_mode():
-            for size in reversed(sizes):
-                desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, 0, size, 0, size)
+            for desc in self.captured:
                 self.batch.fill([], self._target_block_tables(), desc)
                 with forward_context(self._context(desc)):
                     graphs.capture_graph(_DRAFT, desc, self._draft_rounds,
                                          self.batch.graph_inputs(desc), self._poison_pads,
                                          progress)
+                self.dispatcher.go_live(desc)
 
     def _poison_pads(self, desc: BatchExecutionDescriptor, generator: torch.Generator) -> None:
         self.batch.poison_pads(desc, generator, self.runner.vocab_size,
@@ -201,7 +206,8 @@ class MtpProposer(Proposer):
         inputs = self.batch.graph_inputs(draft_desc)
         with forward_context(self._context(draft_desc)):
             if draft_desc.mode == CUDAGraphMode.FULL:
-                return self.graphs.replay(_DRAFT, draft_desc, inputs)
+                return self.graphs.replay(_DRAFT, self.dispatcher.graph_key(draft_desc),
+                                          inputs)
             return self._draft_rounds(*inputs)
 
     def _gather_hidden(self, reqs: list[Request], result: ModelRunnerOutput | None,

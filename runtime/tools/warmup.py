@@ -52,6 +52,29 @@ def _table(records: list[dict], draft_records: list[dict], sizes: list[int],
     return "\n".join(rows)
 
 
+def _artifact_lines(records: list[dict]) -> list[str]:
+    """Compiled CPU graphs: one line per artifact (sizes traced symbolic share one) and
+    the total compile and load time."""
+    by_artifact: dict[str, list[dict]] = {}
+    for r in records:
+        if r.get("artifact"):
+            by_artifact.setdefault(r["artifact"], []).append(r)
+    lines = []
+    for key, rs in by_artifact.items():
+        compile_s = sum(r["compile_s"] or 0.0 for r in rs)
+        load_s = sum(r["load_s"] or 0.0 for r in rs)
+        how = f"compiled in {compile_s:.1f} s" if compile_s else "loaded"
+        lines.append(f"artifact {key[:12]}: sizes {sorted(r['num_tokens_padded'] for r in rs)}, "
+                     f"{how}, bound/loaded in {load_s:.1f} s")
+    if by_artifact:
+        total_compile = sum(r["compile_s"] or 0.0 for r in records)
+        total_load = sum(r["load_s"] or 0.0 for r in records)
+        lines.append(f"{len(by_artifact)} artifacts for {sum(map(len, by_artifact.values()))} "
+                     f"graphs: compile {total_compile:.1f} s in all, load/bind "
+                     f"{total_load:.1f} s in all")
+    return lines
+
+
 def run_warmup(args: argparse.Namespace, build_llm: Callable) -> int:
     """Errors a user can cause raise ValueError; the CLI turns them into one line."""
     if args.enforce_eager:
@@ -81,6 +104,8 @@ def run_warmup(args: argparse.Namespace, build_llm: Callable) -> int:
               f"backend {graphs.capture_backend.name}, {elapsed:.1f} s total, of which "
               f"one-time tracing {graphs.trace_seconds:.1f} s (not in any row)")
         print(_table(records, draft, graphs.dispatcher.sizes, draft_sizes))
+        for line in _artifact_lines(records):
+            print(line)
         print(f"capture pool holds {graphs.pool_bytes / 2**20:.1f} MiB")
         note = getattr(graphs.capture_backend, "kernel_nodes_note", None)
         if note and all(r.get("num_kernel_nodes") is None for r in records + draft):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -113,11 +114,18 @@ class ModelRunner:
         per_seq = math.ceil(self.max_model_len / self.config.block_size)
         wanted = self.config.max_num_seqs * per_seq
         bytes_per_block = sum(g.spec.page_size_bytes * len(g.layer_names) for g in self.kv_groups)
+        return max(min(wanted, self._kv_budget_bytes() // bytes_per_block), per_seq) + 1
+
+    def _kv_budget_bytes(self) -> int:
+        """Memory for the KV cache: ``gpu_memory_utilization`` of the free device memory
+        (weights already loaded) on CUDA, of the machine's RAM on CPU; without it, half
+        the free device memory or a fixed 2 GiB on CPU."""
+        share = self.config.gpu_memory_utilization
         if self.device.type == "cuda":
-            budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.5)
-        else:
-            budget = _CPU_KV_BUDGET_BYTES
-        return max(min(wanted, budget // bytes_per_block), per_seq) + 1
+            return int(torch.cuda.mem_get_info(self.device)[0] * (share or 0.5))
+        if share is None:
+            return _CPU_KV_BUDGET_BYTES
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * share)
 
     def _bind_kv_caches(self) -> None:
         self.kv_caches: dict[str, torch.Tensor] = {}

@@ -1,0 +1,69 @@
+"""Time to the first chat answer, cold: `LLM(model)` with its defaults vs `enforce_eager`.
+
+Each run is a fresh process with empty RUNG_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR; the
+variants alternate (A B A B ...). Prints seconds from process start to the answer, CPU
+seconds of the process, and the answer text (the two must agree).
+
+    python -m rung.bench.first_answer --model smollm2-135m --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+_CHILD = r"""
+import json, sys, time, resource
+start = time.perf_counter()
+from rung.runtime import LLM, SamplingParams
+kwargs = json.loads(sys.argv[2])
+llm = LLM(sys.argv[1], **kwargs)
+built = time.perf_counter() - start
+out = llm.chat([[{"role": "user", "content": "What is the capital of France?"}]],
+               SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+answer_s = time.perf_counter() - start
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"llm_s": built, "answer_s": answer_s,
+                  "cpu_s": usage.ru_utime + usage.ru_stime,
+                  "graphs": llm.engine.stats()["graphs"],
+                  "text": out[0].outputs[0].text}))
+"""
+
+
+def _run(model: str, kwargs: dict) -> dict:
+    with tempfile.TemporaryDirectory() as rung_cache, \
+            tempfile.TemporaryDirectory() as inductor_cache:
+        env = {**os.environ, "RUNG_CACHE_DIR": rung_cache,
+               "TORCHINDUCTOR_CACHE_DIR": inductor_cache, "OMP_NUM_THREADS": "1"}
+        env.pop("RUNG_GRAPH_BACKEND", None)
+        done = subprocess.run([sys.executable, "-c", _CHILD, model, json.dumps(kwargs)],
+                              env=env, capture_output=True, text=True, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    variants = {"eager": {"enforce_eager": True}, "default": {}}
+    results: dict[str, list[dict]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, kwargs in variants.items():
+            r = _run(args.model, kwargs)
+            results[name].append(r)
+            print(name, json.dumps(r), flush=True)
+    for name, rs in results.items():
+        print(f"{name}: answer {[round(r['answer_s'], 1) for r in rs]} s, "
+              f"cpu {[round(r['cpu_s'], 1) for r in rs]} s")
+    ratio = [d["answer_s"] / e["answer_s"] for d, e in zip(results["default"], results["eager"])]
+    print(f"default / eager time to first answer: {[round(x, 2) for x in ratio]}; same text: "
+          f"{all(d['text'] == e['text'] for d, e in zip(results['default'], results['eager']))}")
+
+
+if __name__ == "__main__":
+    main()

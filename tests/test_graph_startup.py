@@ -1,0 +1,72 @@
+"""Graphs without the wait: LLM(...) serves eagerly from its first step while graphs go
+live one at a time between steps; tokens never change across the eager -> graph switch."""
+
+import pytest
+
+from rung.runtime import LLM, SamplingParams
+
+KWARGS = dict(max_num_seqs=4, max_model_len=64, num_gpu_blocks_override=32)
+PROMPTS = [[1, 72, 105, 33], [1, 5, 9, 200, 17, 3, 41, 8, 77], [1, 300], [1, 7, 7, 7, 2]]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_requests_start_eager_and_finish_on_graphs_with_the_same_tokens(debug_padding):
+    want = _tokens(LLM("tiny-llama", enforce_eager=True, **KWARGS))
+    llm = LLM("tiny-llama", compilation_config={"graph_startup": "background",
+                                                "cudagraph_capture_sizes": [1, 2, 4]},
+              **KWARGS)
+    stats = llm.engine.stats()
+    assert stats["graphs"]["live"] == [] and not stats["graphs"]["done"]
+    assert stats["graphs"]["pending"]
+    assert _tokens(llm) == want
+    stats = llm.engine.stats()
+    # the same requests ran eagerly first, then on graphs that went live meanwhile
+    assert stats["eager_steps"] > 0 and stats["graphs"]["live"]
+    assert llm.wait_for_graphs(timeout=120)
+    stats = llm.engine.stats()
+    assert stats["graphs"]["done"] and stats["graphs"]["pending"] == []
+    assert "FULL:4" in stats["graphs"]["live"]
+    assert _tokens(llm) == want
+    assert llm.engine.stats()["graph_replays"].get("FULL:4", 0) > 0
+
+
+def test_blocking_startup_has_every_graph_live_before_it_returns():
+    llm = LLM("tiny-llama", compilation_config={"graph_startup": "blocking",
+                                                "cudagraph_capture_sizes": [1, 2]}, **KWARGS)
+    graphs = llm.engine.stats()["graphs"]
+    assert graphs["done"] and set(graphs["live"]) >= {"FULL:1", "FULL:2"}
+
+
+def test_graph_startup_is_checked():
+    with pytest.raises(ValueError, match="graph_startup 'lazy'"):
+        LLM("tiny-llama", compilation_config={"graph_startup": "lazy"}, **KWARGS)
+
+
+@pytest.mark.slow
+def test_compiled_graphs_build_in_a_subprocess_while_eager_serves(tmp_path, monkeypatch):
+    """The CPU default: artifacts compile in a subprocess into the disk cache; the serving
+    engine binds each one (checked against eager) between steps.
+
+    NOTE: the subprocess compiles with the default INDUCTOR_OPTIONS (part of the key), so
+    this test cannot switch to the faster Python wrapper as other compiled tests do.
+    """
+    monkeypatch.setenv("RUNG_GRAPH_BACKEND", "compiled")
+    want = _tokens(LLM("tiny-llama", enforce_eager=True, **KWARGS))
+    llm = LLM("tiny-llama", compilation_config={"cudagraph_mode": "full_decode_only",
+                                                "cudagraph_capture_sizes": [1, 2, 4],
+                                                "cache_dir": str(tmp_path)}, **KWARGS)
+    assert llm.engine.graph_builder.prefetch is not None
+    assert llm.engine.stats()["graphs"]["live"] == []
+    assert _tokens(llm) == want                       # eager while the subprocess compiles
+    assert llm.wait_for_graphs(timeout=1500)
+    records = llm.engine.runner.graphs.records
+    # every size bound an artifact the subprocess built; sizes >= 2 share one
+    assert all(r.compile_s is None and r.load_s is not None for r in records), records
+    assert len({r.artifact for r in records if r.num_reqs_padded >= 2}) == 1
+    assert _tokens(llm) == want
+    assert llm.engine.stats()["graph_replays"].get("FULL:4", 0) > 0
