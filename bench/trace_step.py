@@ -75,6 +75,7 @@ def decode_step_trace(model: str, num_reqs: int) -> StepTrace:
               compilation_config={"cudagraph_mode": "full_and_piecewise",
                                   "cudagraph_capture_sizes": [1, 2, 4, 8],
                                   "graph_backend": "compiled"})
+    llm.wait_for_graphs()               # every graph live before the traced step
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
     for i in range(num_reqs):
