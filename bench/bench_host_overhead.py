@@ -22,8 +22,8 @@ from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.graph_mode import CUDAGraphMode
 from rung.graphs.dispatcher import Dispatcher
 from rung.graphs.ladder import capture_sizes
+from rung.runtime.api.llm import LLM
 from rung.runtime.engine import LLMEngine
-from rung.runtime.llm import LLM
 from rung.runtime.sampling_params import SamplingParams
 
 MODEL = "bench-llama"

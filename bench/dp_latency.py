@@ -15,10 +15,10 @@ import os
 import time
 from typing import Any, Callable
 
-from rung.bench.latency import _engine_namespace, make_plan
+from rung.bench.latency_plan import engine_namespace, make_plan
 from rung.bench.stats import percentiles_ms
-from rung.runtime.data_parallel import DPStats, route_requests, spawn_ranks
-from rung.runtime.llm import LLM
+from rung.runtime.api.llm import LLM
+from rung.runtime.dist.data_parallel import DPStats, route_requests, spawn_ranks
 from rung.runtime.sampling_params import SamplingParams
 
 _COLUMNS = ("mode", "num_reqs", "rank", "rank_num_reqs", "steps", "dummy_steps",
@@ -48,7 +48,7 @@ def bench_rank(rank: int | None, args: argparse.Namespace,
     plan = make_plan(args)
     records = []
     for label in plan.modes:
-        llm = build_llm(_engine_namespace(args, plan, label))
+        llm = build_llm(engine_namespace(args, plan, label))
         dp = llm.engine.dp
         for num_reqs in plan.num_reqs_list:
             prompts = plan.prompts(num_reqs, llm.engine.runner.vocab_size)

@@ -31,7 +31,7 @@ export PYTHON OUT_DIR MODEL DRY_RUN
 
 # NOTE: TRITON_INTERPRET would run the kernels on the CPU interpreter; pytest's conftest
 # only sets it when CUDA is missing, and every stage runs with it unset.
-RUNG="env -u TRITON_INTERPRET $PYTHON -m rung.runtime.cli"
+RUNG="env -u TRITON_INTERPRET $PYTHON -m rung.cli.main"
 PYTEST="env -u TRITON_INTERPRET $PYTHON -m pytest -q -rs -p no:cacheprovider"
 
 # --- stage bodies (exported: `timeout` runs each in a fresh bash) ---------------------------
@@ -48,7 +48,7 @@ install() {
     : >"$OUT_DIR/pythonpath"
   else
     echo "pip install failed: falling back to a path shim (no console script; stages use"
-    echo "'python -m rung.runtime.cli')"
+    echo "'python -m rung.cli.main')"
     mkdir -p "$OUT_DIR/shim/rung"
     for p in core runtime graphs kernels models bench; do
       ln -sfn "$PWD/$p" "$OUT_DIR/shim/rung/$p"

@@ -134,7 +134,7 @@ def workload_prompts(num_reqs: int) -> list[list[int]]:
 
 def measure(name: str, num_reqs: int, max_tokens: int, debug_padding: bool,
             graph_backend: str = "emulated", device: str = "cpu") -> list[collections.Counter]:
-    from rung.runtime.llm import LLM
+    from rung.runtime.api.llm import LLM
     from rung.runtime.sampling_params import SamplingParams
 
     model, spec, sampling = WORKLOADS[name]

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from rung.bench.stats import percentiles_ms
+from rung.runtime.api.llm import LLM
 from rung.runtime.engine import LLMEngine
-from rung.runtime.llm import LLM
 from rung.runtime.sampling_params import SamplingParams
 
 VARIANTS = ("prefix_caching", "no_prefix_caching")

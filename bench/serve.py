@@ -35,7 +35,7 @@ import torch
 
 from rung.bench.report import environment, loadavg
 from rung.bench.stats import percentiles_ms
-from rung.runtime.llm import LLM
+from rung.runtime.api.llm import LLM
 from rung.runtime.sampling_params import SamplingParams
 
 
@@ -150,7 +150,7 @@ class _ServerProcess:
             self.port = s.getsockname()[1]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads),
                "RUNG_LOGGING_LEVEL": os.environ.get("RUNG_LOGGING_LEVEL", "WARNING")}
-        self.proc = subprocess.Popen([sys.executable, "-m", "rung.runtime.cli", "serve",
+        self.proc = subprocess.Popen([sys.executable, "-m", "rung.cli.main", "serve",
                                       *engine_argv, "--port", str(self.port)], env=env)
         deadline = time.monotonic() + 600
         while True:

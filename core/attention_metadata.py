@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import torch
 
@@ -32,12 +33,26 @@ class CommonAttentionMetadata:
     max_seq_len: int               # real in eager; max_model_len under a FULL graph
 
     @property
+    def common(self) -> CommonAttentionMetadata:
+        """A backend that needs nothing more hands its layers this object itself
+        (see AttentionMetadata)."""
+        return self
+
+    @property
     def num_reqs(self) -> int:
         return self.desc.num_reqs
 
     @property
     def num_tokens(self) -> int:
         return self.desc.num_tokens
+
+
+class AttentionMetadata(Protocol):
+    """What a backend's metadata builder returns for one attention group: whatever the
+    backend's kernels need, and the group's CommonAttentionMetadata as ``common``."""
+
+    @property
+    def common(self) -> CommonAttentionMetadata: ...
 
 
 def validate(meta: CommonAttentionMetadata, check_values: bool = True) -> None:

@@ -79,8 +79,7 @@ class Attention(nn.Module):
 
     def _inline_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """KV write and attention as plain torch ops, traced into a compiled graph."""
-        meta = get_forward_context().attn_metadata[self.layer_name]
-        meta = getattr(meta, "common", meta)
+        meta = get_forward_context().attn_metadata[self.layer_name].common
         if self.spec.writes_kv:
             write_kv(self.kv_cache, k, v, meta.slot_mapping)
         return paged_attention_fusable(q, self.kv_cache, meta, self.spec).to(q.dtype)

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from rung.core.attention_metadata import CommonAttentionMetadata
+from rung.core.attention_metadata import AttentionMetadata, CommonAttentionMetadata
 from rung.core.errors import ContractError
 from rung.core.graph_mode import GraphSupport
 from rung.core.kv_cache_spec import KVCacheSpec
@@ -38,7 +38,7 @@ class AttentionMetadataBuilder:
         self.num_heads_q = num_heads_q
         self.device = device
 
-    def build(self, common: CommonAttentionMetadata) -> Any:
+    def build(self, common: CommonAttentionMetadata) -> AttentionMetadata:
         return common
 
 

@@ -25,6 +25,7 @@ from rung.models.gemma4 import (
     text_config,
 )
 from rung.models.layers import STACKED_PARAMS, RotaryEmbedding, decoder_layers
+from rung.models.registry import DraftModel
 from rung.models.weights import WeightStream, load_named_weights
 
 # HF Gemma4AssistantConfig defaults for the fields config.json may omit.
@@ -108,7 +109,7 @@ class MaskedEmbedding(nn.Module):
         return logits.scatter(-1, selected, selected_logits)
 
 
-class Gemma4AssistantModel(nn.Module):
+class Gemma4AssistantModel(nn.Module, DraftModel):
     """The MTP drafter. `bind_target` must run before the runtime binds KV caches."""
 
     def __init__(self, cfg: dict) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 
+import torch
 from torch import nn
 
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -14,6 +15,22 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "gemma4": ("rung.models.gemma4", "Gemma4ForCausalLM"),
     "gemma4_assistant": ("rung.models.gemma4_mtp", "Gemma4AssistantModel"),
 }
+
+
+class DraftModel:
+    """A model that drafts for a target (MTP) and is never served on its own: it reads the
+    target's KV and input embeddings, so ``bind_target`` runs before the runtime binds KV
+    caches, and its forward takes the target's hidden states.
+
+    forward(input_ids [R], target_hidden [R, backbone], positions [R])
+        -> (last_hidden [R, hidden], next target_hidden [R, backbone])
+    """
+
+    def bind_target(self, target: nn.Module) -> None:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
 
 def model_class(cfg: dict) -> type[nn.Module]:

@@ -6,8 +6,8 @@ Names resolve lazily so importing `rung.runtime` stays cheap until a name is use
 import importlib
 
 _EXPORTS = {
-    "LLM": "rung.runtime.llm",
-    "LLMEngine": "rung.runtime.engine",
+    "LLM": "rung.runtime.api.llm",
+    "LLMEngine": "rung.runtime.engine.llm_engine",
     "SamplingParams": "rung.runtime.sampling_params",
     "RequestOutputKind": "rung.runtime.sampling_params",
     "RequestOutput": "rung.runtime.outputs",

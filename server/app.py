@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -24,10 +23,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rung.runtime import LLMEngine, SamplingParams, apply_chat_template
 from rung.server.engine_loop import (
-    EngineError,
     EngineLoop,
     QueueFull,
-    RequestAborted,
     RequestStream,
 )
 from rung.server.metrics import ServerMetrics
@@ -35,15 +32,22 @@ from rung.server.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
-    chat_logprobs,
     chat_messages,
-    completion_logprobs,
     completion_prompts,
     error_body,
     now,
     param_of,
     sampling_params,
-    usage,
+)
+from rung.server.streaming import (
+    HTTPError,
+    Tracker,
+    chat_events,
+    chat_logprobs_of,
+    collect,
+    completion_events,
+    completion_logprobs_of,
+    until_done_or_hangup,
 )
 
 logger = logging.getLogger(__name__)
@@ -56,12 +60,6 @@ class ServerConfig:
     max_queue: int | None = None           # sequences waiting beyond max_num_seqs; None: any
     chat_template: str | None = None       # overrides the model's
     shutdown_timeout_s: float = 30.0       # SIGTERM: running requests get this long
-
-
-class HTTPError(Exception):
-    def __init__(self, code: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.message, self.param = code, message, param
 
 
 class _Server:
@@ -114,58 +112,6 @@ class _Server:
             raise HTTPError(503, f"server busy: {e}") from None
         except ValueError as e:
             raise BadRequest(str(e), param_of(str(e))) from None
-
-
-@dataclasses.dataclass
-class _Choice:
-    """One choice being answered: its text so far, token count and timings."""
-
-    index: int
-    text: str = ""
-    num_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: dict | None = None
-    last_token_time: float | None = None
-
-
-class _Tracker:
-    """Counts tokens and latencies of one HTTP request for /metrics and usage."""
-
-    def __init__(self, server: _Server, stream: RequestStream, prompts: list[dict], n: int):
-        self.server = server
-        self.arrival = time.perf_counter()
-        self.n = n
-        self.prompt_index = {rid: i for i, rid in enumerate(stream.request_ids)}
-        self.num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
-        self.choices = [_Choice(i) for i in range(len(prompts) * n)]
-        m = server.metrics
-        m.prompt_tokens.labels(m.model_name).inc(self.num_prompt_tokens)
-
-    def choice(self, request_id: str, index: int) -> _Choice:
-        return self.choices[self.prompt_index[request_id] * self.n + index]
-
-    def record(self, choice: _Choice, num_new_tokens: int) -> None:
-        if not num_new_tokens:
-            return
-        m, t = self.server.metrics, time.perf_counter()
-        if choice.last_token_time is None:
-            m.ttft.labels(m.model_name).observe(t - self.arrival)
-        else:
-            m.itl.labels(m.model_name).observe(t - choice.last_token_time)
-        choice.last_token_time = t
-        choice.num_tokens += num_new_tokens
-        m.generation_tokens.labels(m.model_name).inc(num_new_tokens)
-
-    def finish(self, choice: _Choice, reason: str, stop_reason: Any = None) -> None:
-        choice.finish_reason, choice.stop_reason = reason, stop_reason
-        m = self.server.metrics
-        m.finished.labels(m.model_name, reason).inc()
-        if reason != "error":
-            m.e2e.labels(m.model_name).observe(time.perf_counter() - self.arrival)
-
-    def usage(self) -> dict[str, int]:
-        return usage(self.num_prompt_tokens, sum(c.num_tokens for c in self.choices))
 
 
 # --- app ----------------------------------------------------------------------------------------
@@ -229,13 +175,13 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         params = sampling_params(req, req.max_tokens, req.logprobs)
         server.check_length(prompts, params, "prompt")
         stream = await server.submit(prompts, params, "cmpl")
-        tracker = _Tracker(server, stream, prompts, params.n)
+        tracker = Tracker(server, stream, prompts, params.n)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": now(), "model": config.model_name}
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return _sse(_completion_events(stream, tracker, head, include_usage))
-        await _until_done_or_hangup(raw, _collect(stream, tracker, completion_logprobs_of))
+            return _sse(completion_events(stream, tracker, head, include_usage))
+        await until_done_or_hangup(raw, collect(stream, tracker, completion_logprobs_of))
         return {**head, "choices": [
             {"index": c.index, "text": c.text, "logprobs": c.logprobs,
              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
@@ -257,13 +203,13 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         params = sampling_params(req, max_tokens, num_top if req.logprobs else None)
         server.check_length([prompt], params, "messages")
         stream = await server.submit([prompt], params, "chatcmpl")
-        tracker = _Tracker(server, stream, [prompt], params.n)
+        tracker = Tracker(server, stream, [prompt], params.n)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                 "created": now(), "model": config.model_name}
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return _sse(_chat_events(stream, tracker, head, include_usage, num_top))
-        await _until_done_or_hangup(raw, _collect(stream, tracker, chat_logprobs_of(num_top)))
+            return _sse(chat_events(stream, tracker, head, include_usage, num_top))
+        await until_done_or_hangup(raw, collect(stream, tracker, chat_logprobs_of(num_top)))
         return {**head, "object": "chat.completion", "choices": [
             {"index": c.index, "message": {"role": "assistant", "content": c.text},
              "logprobs": c.logprobs, "finish_reason": c.finish_reason,
@@ -314,136 +260,6 @@ def _error(exc: HTTPError) -> JSONResponse:
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
-
-
-# --- collecting and streaming -------------------------------------------------------------------
-def completion_logprobs_of(choice: _Choice, c) -> None:
-    lp = completion_logprobs(c, len(choice.text))
-    if lp is None:
-        return
-    if choice.logprobs is None:
-        choice.logprobs = {k: [] for k in lp}
-    for k, v in lp.items():
-        choice.logprobs[k] += v
-
-
-def chat_logprobs_of(num_top: int):
-    def add(choice: _Choice, c) -> None:
-        lp = chat_logprobs(c, num_top)
-        if lp is None:
-            return
-        if choice.logprobs is None:
-            choice.logprobs = {"content": []}
-        choice.logprobs["content"] += lp["content"]
-    return add
-
-
-async def _collect(stream: RequestStream, tracker: _Tracker, add_logprobs) -> None:
-    """Run a non-streamed request to the end (an engine failure -> 500)."""
-    try:
-        async for out in stream:
-            for c in out.outputs:
-                choice = tracker.choice(out.request_id, c.index)
-                add_logprobs(choice, c)
-                choice.text += c.text
-                tracker.record(choice, len(c.token_ids))
-                if c.finish_reason == "error":
-                    tracker.finish(choice, "error")
-                    raise HTTPError(500, c.error or "the engine failed this request")
-                if c.finish_reason is not None:
-                    tracker.finish(choice, c.finish_reason, c.stop_reason)
-    except RequestAborted:
-        for choice in tracker.choices:
-            if choice.finish_reason is None:
-                tracker.finish(choice, "abort")
-    except EngineError as e:
-        raise HTTPError(500, str(e)) from None
-
-
-async def _until_done_or_hangup(raw: Request, work) -> None:
-    """Await ``work``; a client that hangs up first cancels it (its stream aborts)."""
-    task = asyncio.ensure_future(work)
-    hangup = asyncio.ensure_future(_wait_disconnect(raw))
-    try:
-        await asyncio.wait({task, hangup}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        hangup.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise HTTPError(499, "client disconnected")
-    task.result()
-
-
-async def _wait_disconnect(raw: Request) -> None:
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _event(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-async def _events(stream: RequestStream, tracker: _Tracker, head: dict, include_usage: bool,
-                  choice_body, announce: bool) -> AsyncIterator[str]:
-    """SSE for either endpoint: ``choice_body(choice, c, first)`` shapes one choice;
-    ``announce``: each choice's first output is sent even without text (chat's role)."""
-    usage_none = {"usage": None} if include_usage else {}
-    try:
-        async for out in stream:
-            choices = []
-            for c in out.outputs:
-                choice = tracker.choice(out.request_id, c.index)
-                first = choice.last_token_time is None and choice.num_tokens == 0
-                tracker.record(choice, len(c.token_ids))
-                if c.finish_reason == "error":
-                    tracker.finish(choice, "error")
-                    yield _event(error_body(c.error or "the engine failed this request", 500))
-                    return
-                if c.finish_reason is not None:
-                    tracker.finish(choice, c.finish_reason, c.stop_reason)
-                # NOTE: a delta with tokens is sent even when its text is empty (a
-                # broken character held back, a token without text), as vLLM does
-                if c.token_ids or c.finish_reason is not None or (announce and first):
-                    choices.append(choice_body(choice, c, first))
-            if choices:
-                yield _event({**head, "choices": choices, **usage_none})
-    except RequestAborted:
-        cut = []
-        for choice in tracker.choices:
-            if choice.finish_reason is None:
-                tracker.finish(choice, "abort")
-                cut.append(choice_body(choice, None, False))
-        yield _event({**head, "choices": cut, **usage_none})
-    except EngineError as e:
-        yield _event(error_body(str(e), 500))
-        return
-    if include_usage:
-        yield _event({**head, "choices": [], "usage": tracker.usage()})
-    yield "data: [DONE]\n\n"
-
-
-def _completion_events(stream: RequestStream, tracker: _Tracker, head: dict,
-                       include_usage: bool) -> AsyncIterator[str]:
-    def body(choice: _Choice, c, first: bool) -> dict:
-        text = c.text if c is not None else ""
-        lp = completion_logprobs(c, len(choice.text)) if c is not None else None
-        choice.text += text
-        return {"index": choice.index, "text": text, "logprobs": lp,
-                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
-    return _events(stream, tracker, head, include_usage, body, announce=False)
-
-
-def _chat_events(stream: RequestStream, tracker: _Tracker, head: dict, include_usage: bool,
-                 num_top: int) -> AsyncIterator[str]:
-    def body(choice: _Choice, c, first: bool) -> dict:
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        delta["content"] = c.text if c is not None else ""
-        return {"index": choice.index, "delta": delta,
-                "logprobs": chat_logprobs(c, num_top) if c is not None else None,
-                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
-    return _events(stream, tracker, head, include_usage, body, announce=True)
 
 
 # --- running ------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from rung.models import registry
 from rung.models.llama import LlamaAttention, LlamaForCausalLM
 from rung.models.presets import PRESETS
 from rung.runtime import LLM, SamplingParams
-from rung.runtime.attention_groups import build_attention_groups
+from rung.runtime.worker.attention_groups import build_attention_groups
 
 BLOCK_SIZE = 16
 

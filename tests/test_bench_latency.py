@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from rung.runtime.cli import main
+from rung.cli.main import main
 
 RECORD_KEYS = {"mode", "num_reqs", "step_ms_p50", "step_ms_p90", "step_ms_p99",
                "tokens_per_s", "ttft_ms", "padding_waste", "hf_step_ms_p50",

@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNG = [sys.executable, "-c", "import sys; from rung.runtime.cli import main; sys.exit(main())"]
+RUNG = [sys.executable, "-c", "import sys; from rung.cli.main import main; sys.exit(main())"]
 FAST = ["--max-num-seqs", "2", "--max-model-len", "64", "--max-tokens", "2"]
 
 # Runs each command line of argv[1] (JSON) through main() and prints one JSON record each.
 _DRIVER = r"""
 import contextlib, io, json, sys, traceback
-from rung.runtime.cli import main
+from rung.cli.main import main
 results = []
 for case in json.loads(sys.argv[1]):
     if case.get("hide"):
@@ -183,7 +183,7 @@ def test_version_and_help():
     pyproject = (ROOT / "pyproject.toml").read_text()
     want = re.search(r'^version = "(.+)"', pyproject, re.M).group(1)
     assert version.returncode == 0 and version.stdout.strip() == f"rung {want}"
-    from rung.runtime.cli import make_parser
+    from rung.cli.main import make_parser
 
     parser = make_parser()
     help_text = parser._subparsers._group_actions[0].choices["generate"].format_help()

@@ -14,7 +14,7 @@ import torch
 from helpers import random_prompts
 
 from rung.runtime import LLM, SamplingParams
-from rung.runtime.data_parallel import route_requests, spawn_ranks
+from rung.runtime.dist.data_parallel import route_requests, spawn_ranks
 
 WORLD = 2
 TIMEOUT_S = 900
@@ -195,7 +195,7 @@ def test_dp_table_shows_padding_per_rank():
 
 @pytest.mark.slow
 def test_cli_bench_latency_spawns_ranks(capsys):
-    from rung.runtime.cli import main
+    from rung.cli.main import main
 
     assert main(["bench", "latency", "--model", "tiny-llama", "--data-parallel-size", "2",
                  "--batch-sizes", "1,3", "--modes", "none", "--input-len", "4",
@@ -215,7 +215,7 @@ def test_spawned_ranks_leak_nothing_and_the_bar_counts_every_rank():
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "rung.runtime.cli", "generate", "--model", "tiny-llama",
+    cmd = [sys.executable, "-m", "rung.cli.main", "generate", "--model", "tiny-llama",
            "--enforce-eager", "--data-parallel-size", "2", "--max-tokens", "2",
            "--max-model-len", "32", "--max-num-seqs", "4", "a", "b", "c", "d"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -10,11 +10,11 @@ from rung.core.errors import ContractError
 from rung.core.graph_mode import CUDAGraphMode
 from rung.kernels.backend import AttentionLayerSpec
 from rung.kernels.torch_backend import TorchAttentionImpl
-from rung.runtime.input_batch import InputBatch
-from rung.runtime.kv_cache_manager import NULL_BLOCK
-from rung.runtime.request import Request
 from rung.runtime.sampling_params import SamplingParams
-from rung.runtime.scheduler import ScheduledRequest, SchedulerOutput
+from rung.runtime.sched.kv_cache_manager import NULL_BLOCK
+from rung.runtime.sched.request import Request
+from rung.runtime.sched.scheduler import ScheduledRequest, SchedulerOutput
+from rung.runtime.worker.input_batch import InputBatch
 
 BLOCK_SIZE, MAX_BLOCKS = 4, 8
 

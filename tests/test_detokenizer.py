@@ -201,7 +201,7 @@ def test_delta_stream_of_n_samples(llm):
 def test_outputs_gathered_across_ranks_carry_their_text(llm):
     import pickle
 
-    from rung.runtime.llm import _with_text
+    from rung.runtime.api.llm import _with_text
 
     out = llm.generate("Hi", SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0]
     copy = pickle.loads(pickle.dumps(_with_text(out)))
@@ -233,7 +233,7 @@ class _KV:
     ({"skip_special_tokens": False}, "H </s> I"),
     ({"skip_special_tokens": False, "spaces_between_special_tokens": False}, "H</s>I")])
 def test_special_tokens_in_the_text_follow_the_sampling_params(kwargs, text):
-    from rung.runtime.request import Request
+    from rung.runtime.sched.request import Request
 
     req = Request("r", None, [1], SamplingParams(**kwargs), None, 0, ByteTokenizer())
     req.start()

@@ -29,7 +29,7 @@ from rung.models.gemma4 import Gemma4ForCausalLM as RungGemma4
 from rung.models.gemma4_mtp import Gemma4AssistantModel
 from rung.models.loader import load_model
 from rung.models.presets import PRESETS
-from rung.runtime.model_runner import find_attention_layers
+from rung.runtime.worker.model_runner import find_attention_layers
 
 VOCAB, WINDOW, NUM_DRAFTS, BLOCK_SIZE = MTP_VOCAB, MTP_WINDOW, 3, 16
 PROMPT_LENS = MTP_PROMPT_LENS

@@ -265,7 +265,7 @@ def test_chat_errors():
 
 
 def test_cli_generate_chat(tmp_path, capsys):
-    from rung.runtime.cli import main
+    from rung.cli.main import main
 
     path = write_gguf(tmp_path / "cli.gguf")
     rc = main(["generate", "--model", path, "--chat", "--enforce-eager", "--max-tokens", "3",

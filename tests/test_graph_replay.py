@@ -9,14 +9,14 @@ import logging
 import pytest
 import torch
 
+from rung.cli.main import main as cli_main
 from rung.core.graph_mode import GraphSupport
 from rung.kernels import selector
 from rung.kernels.torch_backend import TorchBackend
 from rung.runtime import LLM, SamplingParams
-from rung.runtime.cli import main as cli_main
-from rung.runtime.input_batch import InputBatch
-from rung.runtime.kv_cache_manager import NULL_BLOCK
-from rung.runtime.verify import guard_kv, verify_engine
+from rung.runtime.sched.kv_cache_manager import NULL_BLOCK
+from rung.runtime.tools.verify import guard_kv, verify_engine
+from rung.runtime.worker.input_batch import InputBatch
 
 SIZES = [1, 2, 4, 8]
 ENGINE = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 96,
@@ -39,7 +39,7 @@ def eager_llm():
 def test_every_partial_batch_replays_like_eager(mode, eager_llm):
     # the same check `rung verify` runs: every size x num_reqs, pads poisoned, KV guarded
     graph_llm = _graph_llm(mode)
-    guard_kv(graph_llm.engine.runner)
+    guard_kv(graph_llm.engine)
     cells = verify_engine(graph_llm.engine, eager_llm.engine)
     assert [c for c in cells if c.status == "fail"] == []
     decode_mode = {"piecewise": "PIECEWISE"}.get(mode, "FULL")
@@ -189,7 +189,7 @@ def test_prefix_hits_evictions_and_freed_sliding_blocks_replay_like_eager(model)
     llm = LLM(model, num_gpu_blocks_override=16, **ENGINE,
               compilation_config={"cudagraph_mode": "full_and_piecewise",
                                   "cudagraph_capture_sizes": SIZES})
-    guard_kv(llm.engine.runner)
+    guard_kv(llm.engine)
     seen = guard_shared_blocks(llm.engine)
     assert run(llm) == want
     assert (seen["rows_with_freed_blocks"] > 0) == (model == "tiny-gemma4")

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from rung.runtime import LLM, SamplingParams
-from rung.runtime.input_batch import HostCopyFence, HostDevicePair
+from rung.runtime.worker.input_batch import HostCopyFence, HostDevicePair
 
 
 class _LoggedArray(np.ndarray):

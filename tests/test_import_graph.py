@@ -5,6 +5,7 @@ The layering is defined and explained in rung.bench.import_graph; print the grap
 """
 
 from rung.bench.import_graph import (
+    ROOMS,
     ROOT,
     find_cycle,
     module_edges,
@@ -24,8 +25,30 @@ def test_package_graph_has_no_cycle():
 def test_every_library_module_is_read():
     edges = module_edges()
     sources = {what.split(" ")[0] for _, _, what in edges}
-    assert {"kernels/attention.py", "graphs/manager.py", "runtime/engine.py"} <= sources
+    assert {"kernels/attention.py", "graphs/manager.py",
+            "runtime/engine/llm_engine.py"} <= sources
     assert (ROOT / "core" / "descriptor.py").exists()
+
+
+def test_every_runtime_room_is_a_node_of_its_own():
+    edges = module_edges()
+    linked = {node for source, target, _ in edges for node in (source, target)}
+    assert {f"runtime/{room}" for room in ROOMS} <= linked
+    graph = package_graph(edges)
+    assert {"runtime/sched", "runtime/worker"} <= set(graph["runtime/engine"])
+
+
+def test_a_room_importing_a_room_above_it_is_caught(tmp_path):
+    for folder in ("runtime/sched", "runtime/engine"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "runtime" / "sched" / "bad.py").write_text(
+        "from rung.runtime.engine.llm_engine import LLMEngine\n")
+    (tmp_path / "runtime" / "engine" / "ok.py").write_text("import rung.runtime.sched.bad\n")
+    edges = module_edges(tmp_path)
+    assert violations(edges) == [
+        "runtime/sched/bad.py imports rung.runtime.engine.llm_engine "
+        "(runtime/sched may import core, runtime)"]
+    assert find_cycle(package_graph(edges)) is not None
 
 
 def test_an_upward_import_is_caught_even_under_type_checking(tmp_path):
@@ -44,12 +67,12 @@ def test_an_upward_import_is_caught_even_under_type_checking(tmp_path):
 
 
 def test_the_server_sits_on_the_public_api_and_only_the_cli_imports_it(tmp_path):
-    for package in ("runtime", "bench", "server"):
+    for package in ("runtime", "bench", "server", "cli"):
         (tmp_path / package).mkdir()
     (tmp_path / "server" / "ok.py").write_text("from rung.runtime import LLMEngine\n")
     (tmp_path / "server" / "deep.py").write_text("from rung.runtime.engine import LLMEngine\n")
     (tmp_path / "bench" / "up.py").write_text("import rung.server.app\n")
-    (tmp_path / "runtime" / "cli.py").write_text("from rung.server.app import run_server\n")
+    (tmp_path / "cli" / "main.py").write_text("from rung.server.app import run_server\n")
     assert violations(module_edges(tmp_path)) == [
         "bench/up.py imports rung.server.app (bench may import core, graphs, kernels, "
         "models, runtime)",

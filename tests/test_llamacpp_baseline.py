@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from rung.runtime.cli import main
+from rung.cli.main import main
 
 TINY = ["bench", "latency", "--model", "tiny-llama", "--input-len", "8", "--output-len", "4",
         "--iters", "1", "--batch-sizes", "1", "--modes", "none", "--baseline", "llama.cpp"]

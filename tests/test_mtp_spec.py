@@ -4,8 +4,8 @@ import pytest
 
 from rung.core import attention_metadata
 from rung.runtime import LLM, SamplingParams
-from rung.runtime.input_batch import InputBatch
-from rung.runtime.mtp_proposer import DraftBatch
+from rung.runtime.spec.mtp import DraftBatch
+from rung.runtime.worker.input_batch import InputBatch
 
 ENGINE = {"max_model_len": 160, "max_num_seqs": 8, "max_num_batched_tokens": 64,
           "dtype": "float32"}
@@ -77,7 +77,7 @@ def test_staggered_waves_under_graphs_match_eager_without_speculation(monkeypatc
         return done
 
     want = run(LLM("tiny-gemma4", enforce_eager=True, **ENGINE))
-    import rung.runtime.attention_groups as attention_groups
+    import rung.runtime.worker.attention_groups as attention_groups
 
     real_build = attention_groups.build_layer_metadata
     def counting_build(kind):
@@ -87,8 +87,9 @@ def test_staggered_waves_under_graphs_match_eager_without_speculation(monkeypatc
                 checked[kind] += 1
             return real_build(groups, commons, check_values)
         return build
-    monkeypatch.setattr("rung.runtime.model_runner.build_layer_metadata", counting_build("target"))
-    monkeypatch.setattr("rung.runtime.mtp_proposer.build_layer_metadata", counting_build("draft"))
+    monkeypatch.setattr("rung.runtime.worker.model_runner.build_layer_metadata",
+                        counting_build("target"))
+    monkeypatch.setattr("rung.runtime.spec.mtp.build_layer_metadata", counting_build("draft"))
     llm = LLM("tiny-gemma4", speculative_config=_mtp(3), **ENGINE,
               compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})
     got = run(llm)

@@ -9,8 +9,8 @@ import torch
 
 from rung.core.kv_cache_spec import KVCacheGroup, KVCacheSpec
 from rung.runtime import LLM, SamplingParams
-from rung.runtime.kv_cache_manager import NULL_BLOCK, KVCacheManager
-from rung.runtime.request import Request
+from rung.runtime.sched.kv_cache_manager import NULL_BLOCK, KVCacheManager
+from rung.runtime.sched.request import Request
 
 BS = 4
 FULL = KVCacheSpec(BS, 1, 8, torch.float32)
@@ -260,7 +260,7 @@ def test_long_gemma4_request_holds_only_its_window_of_sliding_blocks(speculative
 
 
 def test_bench_shared_prefix_reports_both_variants_side_by_side(tmp_path, capsys):
-    from rung.runtime.cli import main
+    from rung.cli.main import main
 
     path = tmp_path / "prefix.json"
     assert main(["bench", "latency", "--shared-prefix", "200", "--prefix-requests", "16",

@@ -1,4 +1,4 @@
-"""One writer for a request's state: its transitions (runtime/request.py) are the only code
+"""One writer for a request's state: its transitions (runtime/sched/request.py) are the only code
 in runtime/ that assigns or mutates its tokens, computed count or drafts. (Its status is
 written there alone too, but other objects in runtime/ have a ``status`` of their own.)"""
 
@@ -7,11 +7,11 @@ import pathlib
 
 import pytest
 
-from rung.runtime.request import Request, RequestStatus
 from rung.runtime.sampling_params import SamplingParams
+from rung.runtime.sched.request import Request, RequestStatus
 
 RUNTIME = pathlib.Path(__file__).resolve().parents[1] / "runtime"
-OWNER = RUNTIME / "request.py"
+OWNER = RUNTIME / "sched" / "request.py"
 OWNED = {"token_ids", "num_computed_tokens", "spec_token_ids"}
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse"}
 
@@ -51,7 +51,7 @@ def test_only_the_request_writes_its_tokens_computed_count_and_drafts():
     offenders = [f"{path.relative_to(RUNTIME.parent)}:{line}: {attr}"
                  for path in sorted(RUNTIME.rglob("*.py")) if path != OWNER
                  for line, attr in writes_outside_the_owner(path.read_text())]
-    assert not offenders, ("write these through Request's transitions (runtime/request.py):\n"
+    assert not offenders, ("write these through Request's transitions (runtime/sched/request.py):\n"
                            + "\n".join(offenders))
 
 

@@ -4,16 +4,16 @@ references written here: distributions (chi-square), penalties, min_p, keyed see
 import pytest
 import torch
 
-from rung.runtime.rejection_sampler import num_accepted, rejection_sample_with_probs
-from rung.runtime.request import Request
-from rung.runtime.sampler import (
+from rung.runtime.sampling_params import SamplingParams
+from rung.runtime.sched.request import Request
+from rung.runtime.worker.rejection_sampler import num_accepted, rejection_sample_with_probs
+from rung.runtime.worker.sampler import (
     Sampler,
     SamplingBatch,
     processed_logits,
     sampling_probs,
     token_logprobs,
 )
-from rung.runtime.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 LOGITS = torch.tensor([2.0, 1.5, 0.3, -0.4, 1.0, -2.0])          # vocab 6

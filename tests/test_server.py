@@ -37,14 +37,14 @@ TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endf
 # FAULT_PROMPT (an engine failure the server must survive)
 _SERVE_WITH_FAULT = f"""
 import sys
-from rung.runtime.model_runner import ModelRunner
+from rung.runtime.worker.model_runner import ModelRunner
 _execute = ModelRunner.execute
 def execute(self, sched, *args, **kwargs):
     if any(s.request.prompt_token_ids == {FAULT_PROMPT} for s in sched.scheduled):
         raise RuntimeError("injected fault")
     return _execute(self, sched, *args, **kwargs)
 ModelRunner.execute = execute
-from rung.runtime.cli import main
+from rung.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -59,7 +59,7 @@ class Server:
     def __init__(self, tmp_path, *flags: str, fault: bool = False) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        code = ["-c", _SERVE_WITH_FAULT] if fault else ["-m", "rung.runtime.cli"]
+        code = ["-c", _SERVE_WITH_FAULT] if fault else ["-m", "rung.cli.main"]
         self.log = open(tmp_path / f"server-{self.port}.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, *code, "serve", "--model", MODEL, "--enforce-eager",
@@ -318,7 +318,7 @@ def test_api_key_full_queue_and_sigterm(tmp_path):
 @pytest.mark.slow          # a third engine and a third server: ~20 s quiet, ~45 s busy
 def test_bench_serve_runs_both_sides_on_the_same_load(tmp_path):
     out = tmp_path / "serve.json"
-    run = subprocess.run([sys.executable, "-m", "rung.runtime.cli", "bench", "serve", "--model",
+    run = subprocess.run([sys.executable, "-m", "rung.cli.main", "bench", "serve", "--model",
                           MODEL, "--enforce-eager", "--streams", "1,2", "--rounds", "1",
                           "--input-len", "8", "--output-len", "4", "--json", str(out)],
                          capture_output=True, text=True, timeout=300)

@@ -7,8 +7,8 @@ import pytest
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.graph_mode import CUDAGraphMode
 from rung.runtime import LLM, SamplingParams
-from rung.runtime.request import Request
-from rung.runtime.spec_decode import NgramProposer
+from rung.runtime.sched.request import Request
+from rung.runtime.spec.ngram import NgramProposer
 
 PROMPTS = ["abcabcabcabcabc", "hello hello hello hello", "xyz", "one two one two one"]
 MODES = {"none": {"enforce_eager": True},

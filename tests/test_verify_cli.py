@@ -2,10 +2,10 @@
 
 import json
 
+from rung.cli.main import main
 from rung.runtime import LLM, SamplingParams
-from rung.runtime.cli import main
-from rung.runtime.input_batch import InputBatch
-from rung.runtime.verify import guard_kv
+from rung.runtime.tools.verify import guard_kv
+from rung.runtime.worker.input_batch import InputBatch
 
 ARGS = ["verify", "--model", "tiny-llama", "--max-num-seqs", "2", "--max-model-len", "64",
         "--mode", "full"]
@@ -54,7 +54,7 @@ def test_verify_runs_at_the_ramps_max_model_len(capsys):
 
 def test_ramp_never_runs_a_request_out_of_positions():
     from rung.runtime import LLM
-    from rung.runtime.verify import drive, ramp, ramp_max_model_len
+    from rung.runtime.tools.verify import drive, ramp, ramp_max_model_len
 
     num_reqs, k = 3, 2
     max_model_len = ramp_max_model_len(num_reqs, k, 16)
@@ -70,7 +70,7 @@ def test_ramp_never_runs_a_request_out_of_positions():
 
 def test_guard_kv_passes_the_data_parallel_argument_through():
     engine = LLM("tiny-llama", enforce_eager=True, max_num_seqs=2, max_model_len=32).engine
-    guard_kv(engine.runner)
+    guard_kv(engine)
     engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=1))
     sched = engine.scheduler.schedule()
     block_ids = [engine.kv.block_ids(s.request.request_id) for s in sched.scheduled]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rung.runtime.cli import main
+from rung.cli.main import main
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-gemma4"])

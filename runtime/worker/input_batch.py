@@ -11,8 +11,8 @@ import torch
 from rung.core.attention_metadata import PAD_SLOT_ID, CommonAttentionMetadata
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.graph_mode import CUDAGraphMode
-from rung.runtime.kv_cache_manager import NULL_BLOCK
-from rung.runtime.scheduler import ScheduledRequest, SchedulerOutput
+from rung.runtime.sched.kv_cache_manager import NULL_BLOCK
+from rung.runtime.sched.scheduler import ScheduledRequest, SchedulerOutput
 
 
 @dataclasses.dataclass
@@ -111,6 +111,9 @@ class PaddedBatch:
                              for _ in range(num_kv_groups)]       # per group
         self.slot_mappings = [pair((max_num_tokens,), np.int64)
                               for _ in range(num_kv_groups)]      # per group, PAD_SLOT_ID pads
+        self._num_reqs = self._num_tokens = 0       # the real rows written last
+        # a block-table row cache (InputBatch): a key per row, None where not vouched for
+        self._row_keys: list[tuple | None] = [None] * max_num_reqs
 
     def poison(self, rng: np.random.Generator, vocab_size: int, num_blocks: int) -> None:
         """Fill every buffer with garbage, so a pad value `pad()` forgets shows up."""
@@ -143,7 +146,11 @@ class PaddedBatch:
         """Write the contract's safe values into pad rows and copy to the device."""
         n, n_pad = desc.num_reqs, desc.num_reqs_padded
         t, t_pad = desc.num_tokens, desc.num_tokens_padded
+        if (n, t) != (self._num_reqs, self._num_tokens):
+            raise RuntimeError(f"pad() for a batch of {n} requests / {t} tokens, but the "
+                               f"prepared batch has {self._num_reqs} / {self._num_tokens}")
         if n_pad > n:
+            self._row_keys[n:n_pad] = [None] * (n_pad - n)   # rows this overwrites
             self.query_start_loc.np[n + 1:n_pad + 1] = t    # zero-length pads keep it flat
             self.seq_lens.np[n:n_pad] = 0
             for bt in self.block_tables:
@@ -180,8 +187,6 @@ class InputBatch(PaddedBatch):
                  decode_query_len: int = 1) -> None:
         super().__init__(max_num_reqs, max_num_tokens, max_blocks_per_req, num_kv_groups,
                          block_size, device, decode_query_len)
-        self._num_reqs = self._num_tokens = 0
-        self._row_keys: list[tuple | None] = [None] * max_num_reqs
         self._arange = np.arange(max(max_num_reqs, max_num_tokens))   # read-only
 
     def _poisonable_block_rows(self) -> list[int]:
@@ -202,7 +207,7 @@ class InputBatch(PaddedBatch):
 
     def prepare(self, sched: SchedulerOutput, block_ids: list[list[list[int]]]) -> BatchLayout:
         """Write the real rows. ``block_ids[i][g]``: request i's blocks in group g."""
-        num_reqs, num_tokens = sched.num_reqs, sched.num_tokens
+        num_reqs, num_tokens = len(sched.scheduled), sched.num_tokens
         if num_reqs > self.max_num_reqs or num_tokens > self.max_num_tokens:
             raise RuntimeError(f"batch of {num_reqs} requests / {num_tokens} tokens exceeds "
                                f"buffers {self.max_num_reqs} / {self.max_num_tokens}")
@@ -263,7 +268,7 @@ class InputBatch(PaddedBatch):
         return BatchLayout(0, 0, None, 0, 0, np.zeros(0, np.int64), [])
 
     def _layout(self, sched: SchedulerOutput, counts: np.ndarray, qsl: np.ndarray) -> BatchLayout:
-        num_reqs = sched.num_reqs
+        num_reqs = len(sched.scheduled)
         num_logits = [(1 + s.num_spec_tokens) if s.samples else 0 for s in sched.scheduled]
         ends = qsl[1:num_reqs + 1].astype(np.int64)
         if all(n == 1 for n in num_logits):                          # plain decode / prefill
@@ -280,36 +285,20 @@ class InputBatch(PaddedBatch):
                            int(self.seq_lens.np[:num_reqs].max(initial=0)), logits_indices,
                            num_logits)
 
-    def pad(self, desc: BatchExecutionDescriptor) -> None:
-        if (desc.num_reqs, desc.num_tokens) != (self._num_reqs, self._num_tokens):
-            raise RuntimeError(f"pad() for a batch of {desc.num_reqs} requests / "
-                               f"{desc.num_tokens} tokens, but the prepared batch has "
-                               f"{self._num_reqs} / {self._num_tokens}")
-        self._row_keys[desc.num_reqs:desc.num_reqs_padded] = [None] * (
-            desc.num_reqs_padded - desc.num_reqs)
-        super().pad(desc)
-
-    def _max_query_len(self, desc: BatchExecutionDescriptor, layout: BatchLayout) -> int:
-        """The bound a kernel sizes its query tiles by (and FA picks its decode path by).
-
-        NOTE: a FULL graph replays for every later batch of its size: a uniform decode /
-        verify graph holds 1 or 1 + k per request, any other FULL graph up to all tokens.
-        """
-        if desc.mode != CUDAGraphMode.FULL:
-            return layout.max_query_len
-        if desc.uniform_query_len == self.decode_query_len:
-            return self.decode_query_len
-        return desc.num_tokens_padded
-
     def common_metadata(self, desc: BatchExecutionDescriptor, layout: BatchLayout,
                         max_model_len: int) -> list[CommonAttentionMetadata]:
-        """One CommonAttentionMetadata per KV cache group, views sliced by ``desc``."""
-        full_graph = desc.mode == CUDAGraphMode.FULL
-        # NOTE: under a FULL graph the kernel must read up to max_model_len keys: the
-        # same graph replays for every later (longer) batch of this size.
-        max_seq_len = max_model_len if full_graph else layout.max_seq_len
-        max_query_len = self._max_query_len(desc, layout)
-        return self.metadata_views(desc, max_query_len, max_seq_len)
+        """One CommonAttentionMetadata per KV cache group, views sliced by ``desc``.
+
+        NOTE: a FULL graph replays for every later batch of its size: its kernels read up
+        to max_model_len keys, and size their query tiles (FA picks its decode path) by
+        1 or 1 + k per request for a uniform decode / verify graph, else by all tokens.
+        """
+        if desc.mode != CUDAGraphMode.FULL:
+            return self.metadata_views(desc, layout.max_query_len, layout.max_seq_len)
+        max_query_len = (self.decode_query_len
+                         if desc.uniform_query_len == self.decode_query_len
+                         else desc.num_tokens_padded)
+        return self.metadata_views(desc, max_query_len, max_model_len)
 
 
 def _step_tokens(s: ScheduledRequest) -> list[int]:

@@ -17,14 +17,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rung.runtime.sampler import (
+from rung.runtime.worker.sampler import (
     STREAM_ACCEPT,
     STREAM_RESIDUAL,
     SamplingBatch,
     inverse_cdf,
     to_device,
 )
-from rung.runtime.sampler import uniforms as keyed_uniforms
+from rung.runtime.worker.sampler import uniforms as keyed_uniforms
 
 
 def num_accepted(target: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -19,7 +19,7 @@ from rung.runtime.config import (
     parse_device,
     parse_dtype,
 )
-from rung.runtime.data_parallel import ROUTING_POLICIES, route_requests
+from rung.runtime.dist.data_parallel import ROUTING_POLICIES, route_requests
 from rung.runtime.engine import LLMEngine, Prompt
 from rung.runtime.outputs import CompletionOutput, RequestOutput
 from rung.runtime.request_ids import GenerateId

@@ -49,3 +49,44 @@ class ParentRequest:
             return None
         return dataclasses.replace(out, request_id=self.request_id,
                                    outputs=[self.finished[i] for i in range(self.n)])
+
+
+class ParallelSampling:
+    """The ``n > 1`` requests the engine holds: which child belongs to which parent."""
+
+    def __init__(self) -> None:
+        self._parents: dict[RequestId, ParentRequest] = {}
+        # sample id -> (its parent, its index); empty while no n > 1 request runs
+        self.children: dict[RequestId, tuple[ParentRequest, int]] = {}
+
+    def __contains__(self, request_id: RequestId) -> bool:
+        return request_id in self._parents
+
+    def add(self, parent: ParentRequest) -> None:
+        self._parents[parent.request_id] = parent
+        for index, child_id in enumerate(parent.child_ids):
+            self.children[child_id] = (parent, index)
+
+    def abort(self, request_id: RequestId) -> list[SampleId] | None:
+        """The children of parent ``request_id`` (forgotten here), or None: not a parent."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return None
+        for child_id in parent.child_ids:
+            self.children.pop(child_id, None)
+        return parent.child_ids
+
+    def gather(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """A child of an ``n > 1`` request reports as its parent."""
+        return [g for g in map(self._gather_one, outputs) if g is not None]
+
+    def _gather_one(self, out: RequestOutput) -> RequestOutput | None:
+        parent, index = self.children.get(out.request_id, (None, 0))
+        if parent is None:
+            return out
+        gathered = parent.gather(index, out)
+        if out.finished:
+            del self.children[out.request_id]
+        if gathered is not None and gathered.finished:
+            del self._parents[parent.request_id]
+        return gathered

@@ -5,8 +5,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from rung.runtime.kv_cache_manager import KVCacheManager
-from rung.runtime.request import Request, RequestStatus
+from rung.runtime.sched.kv_cache_manager import KVCacheManager
+from rung.runtime.sched.request import Request, RequestStatus
 
 
 class ScheduledRequest:

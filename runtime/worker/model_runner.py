@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -18,19 +18,22 @@ from rung.kernels.attention import Attention
 from rung.kernels.backend import AttentionBackend, kv_cache_shape
 from rung.kernels.selector import select_backend
 from rung.models.loader import LoadedModel
-from rung.runtime.attention_groups import build_attention_groups, build_layer_metadata
 from rung.runtime.config import EngineConfig
-from rung.runtime.input_batch import BatchLayout, HostCopyFence, InputBatch
 from rung.runtime.outputs import Logprob
-from rung.runtime.rejection_sampler import num_accepted
-from rung.runtime.request import Request
-from rung.runtime.sampler import Sampler, SamplingBatch, to_device, token_logprobs
-from rung.runtime.scheduler import SchedulerOutput
+from rung.runtime.sched.request import Request
+from rung.runtime.sched.scheduler import SchedulerOutput
+from rung.runtime.worker.attention_groups import build_attention_groups, build_layer_metadata
+from rung.runtime.worker.input_batch import BatchLayout, HostCopyFence, InputBatch
+from rung.runtime.worker.rejection_sampler import num_accepted
+from rung.runtime.worker.sampler import Sampler, SamplingBatch, to_device, token_logprobs
 
 if TYPE_CHECKING:
     from rung.graphs.manager import GraphManager
 
 _CPU_KV_BUDGET_BYTES = 2 << 30
+# (descriptor, num_tokens_across_dp) -> the descriptor the step runs
+DescriptorHook = Callable[[BatchExecutionDescriptor, "tuple[int, ...] | None"],
+                          BatchExecutionDescriptor]
 
 
 @dataclasses.dataclass
@@ -78,6 +81,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.host_output = HostOutput(config.device)
         self.graphs: GraphManager | None = None      # see use_graphs; None runs eagerly
+        self._descriptor_hooks: list[DescriptorHook] = []
         self._poison_rng = np.random.default_rng(config.seed)
 
     # --- set-up -----------------------------------------------------------------------
@@ -137,6 +141,13 @@ class ModelRunner:
         """Dispatch and run every later step through ``graphs`` (captured or capturing)."""
         self.graphs = graphs
 
+    def add_descriptor_hook(self, hook: DescriptorHook) -> Callable[[], None]:
+        """Every step's descriptor goes through ``hook(desc, num_tokens_across_dp)``, which
+        returns the one the step runs (a tool that pads to another captured size, e.g.
+        `rung verify`). Returns a function that removes it."""
+        self._descriptor_hooks.append(hook)
+        return lambda: self._descriptor_hooks.remove(hook)
+
     # --- one step -----------------------------------------------------------------------
     def dispatch(self, layout: BatchLayout,
                  num_tokens_across_dp: tuple[int, ...] | None = None
@@ -164,6 +175,8 @@ class ModelRunner:
         if self.config.debug_padding:
             self.input_batch.check_block_rows(block_ids)
         desc = self.dispatch(layout, num_tokens_across_dp)
+        for hook in self._descriptor_hooks:
+            desc = hook(desc, num_tokens_across_dp)
         self.input_batch.pad(desc)
         hidden = self.forward(desc, layout)                       # [num_tokens_padded, H]
         rows = to_device(self.device, layout.logits_indices)     # NOTE: non_blocking

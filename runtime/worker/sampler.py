@@ -17,7 +17,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from rung.runtime.request import Request
+from rung.runtime.sched.request import Request
 
 _EPS = 1e-5                    # temperature below it: greedy (vLLM's _SAMPLING_EPS)
 _MASK64 = (1 << 64) - 1

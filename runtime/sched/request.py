@@ -23,7 +23,7 @@ from rung.runtime.request_ids import RequestId
 from rung.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from rung.runtime.kv_cache_manager import KVCacheManager
+    from rung.runtime.sched.kv_cache_manager import KVCacheManager
 
 
 class RequestStatus(enum.Enum):
@@ -40,6 +40,7 @@ class Request:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)     # fixed: the prompt never changes
         self.params = params
         self.eos_token_id = eos_token_id
         self.arrival = arrival
@@ -67,10 +68,6 @@ class Request:
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.num_preemptions = 0
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -112,7 +109,8 @@ class Request:
         consumed. Then ``kv`` hashes the blocks now full and frees those out of the window.
         Returns how many of ``tokens`` went in, and why the request ends (None: it runs on).
         """
-        self._require(RequestStatus.RUNNING)
+        if self.status is not RequestStatus.RUNNING:      # NOTE: once per request per step
+            self._require(RequestStatus.RUNNING)
         num_kept, reason = 0, None
         for token in tokens:
             self.token_ids.append(token)

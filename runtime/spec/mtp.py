@@ -21,12 +21,13 @@ from rung.graphs.dispatcher import Dispatcher
 from rung.graphs.ladder import draft_capture_sizes
 from rung.graphs.manager import CaptureRecord, GraphManager
 from rung.models.loader import DRAFT_WEIGHT_SEED, load_model
-from rung.runtime.attention_groups import build_attention_groups, build_layer_metadata
+from rung.models.registry import DraftModel
 from rung.runtime.config import EngineConfig
-from rung.runtime.input_batch import PaddedBatch
-from rung.runtime.model_runner import ModelRunner, ModelRunnerOutput, find_attention_layers
-from rung.runtime.request import Request
-from rung.runtime.spec_decode import Proposer, check_draft_rows
+from rung.runtime.sched.request import Request
+from rung.runtime.spec.proposer import Proposer, check_draft_rows
+from rung.runtime.worker.attention_groups import build_attention_groups, build_layer_metadata
+from rung.runtime.worker.input_batch import PaddedBatch
+from rung.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput, find_attention_layers
 
 _DRAFT = "draft"           # the drafter's graphs in the graph manager (records: DRAFT_FULL)
 
@@ -58,6 +59,7 @@ class DraftBatch(PaddedBatch):
         for bt, sm, target in zip(self.block_tables, self.slot_mappings, target_block_tables):
             bt.np[:n] = target[:n]
             sm.np[:n] = PAD_SLOT_ID
+        self._num_reqs, self._num_tokens = n, desc.num_tokens
         self.pad(desc)
 
     def poison_pads(self, desc: BatchExecutionDescriptor, generator: torch.Generator,
@@ -111,7 +113,7 @@ class MtpProposer(Proposer):
         loaded = load_model(spec.model, config.dtype, str(config.device), config.load_format,
                             DRAFT_WEIGHT_SEED)
         drafter = loaded.model
-        if not hasattr(drafter, "bind_target"):
+        if not isinstance(drafter, DraftModel):
             raise ValueError(f"speculative model {spec.model!r} ({type(drafter).__name__}) is "
                              "not an MTP drafter (expected e.g. a gemma4_assistant)")
         drafter.bind_target(runner.model)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import json
 import sys
 import time
@@ -115,31 +114,36 @@ def compare_step(got: Trace, want: Trace, step: int, tol: float) -> str | None:
     return None
 
 
-def guard_kv(runner: Any) -> None:
-    """Fail a step that writes a KV slot outside its real tokens' slots (null block aside)."""
-    execute = runner.execute
+def guard_kv(engine: Any) -> Callable[[], None]:
+    """Fail a step that writes a KV slot outside its real tokens' slots (null block aside).
 
-    @functools.wraps(execute)
-    def checked(sched, block_ids, *args, **kwargs):
-        # NOTE: the runner's whole signature passes through (data parallel adds
-        # num_tokens_across_dp)
-        before = {name: cache.clone() for name, cache in runner.kv_caches.items()}
-        out = execute(sched, block_ids, *args, **kwargs)
+    A step listener: it holds the KV cache to the copy taken after the previous step (a
+    drafter between two steps writes no KV, so it is held to that too). Returns the
+    function that removes it.
+    """
+    runner = engine.runner
+    before = [_kv_copy(runner)]
+
+    def check(out: Any) -> None:
         num_tokens = out.desc.num_tokens
         for group in runner.kv_groups:
             slots = torch.from_numpy(
                 runner.input_batch.slot_mappings[group.group_id].np[:num_tokens].copy())
             for name in group.layer_names:
                 cache = runner.kv_caches[name]
-                changed = (cache != before[name]).flatten(3).any(-1).any(0).flatten()
+                changed = (cache != before[0][name]).flatten(3).any(-1).any(0).flatten()
                 allowed = torch.zeros_like(changed)
                 allowed[slots.to(changed.device)] = True
                 allowed[:cache.shape[2]] = True        # the null block takes pad writes
                 if bool((changed & ~allowed).any()):
                     raise AssertionError(f"{name}: KV written off the real tokens' slots")
-        return out
+        before[0] = _kv_copy(runner)
 
-    runner.execute = checked
+    return engine.add_step_listener(check)
+
+
+def _kv_copy(runner: Any) -> dict[str, torch.Tensor]:
+    return {name: cache.clone() for name, cache in runner.kv_caches.items()}
 
 
 @contextlib.contextmanager
@@ -147,11 +151,13 @@ def pinned_size(runner: Any, size: int,
                 dispatched: list[BatchExecutionDescriptor]) -> Iterator[None]:
     """Pad every graph batch that fits ``size`` to ``size`` (not to the smallest size that
     holds it), so one captured size replays at every fill level. Every descriptor handed
-    out goes to ``dispatched`` (the last one names the step that failed, if one does)."""
-    dispatch, dispatcher = runner.dispatch, runner.graphs.dispatcher
+    out goes to ``dispatched`` (the last one names the step that failed, if one does).
+    A descriptor hook of the runner: nothing of it is patched."""
+    dispatcher = runner.graphs.dispatcher
 
-    def pinned(layout, num_tokens_across_dp=None):
-        desc = _pinned(dispatch(layout, num_tokens_across_dp), num_tokens_across_dp)
+    def pinned(desc: BatchExecutionDescriptor,
+               num_tokens_across_dp: tuple[int, ...] | None) -> BatchExecutionDescriptor:
+        desc = _pinned(desc, num_tokens_across_dp)
         dispatched.append(desc)
         return desc
 
@@ -165,11 +171,11 @@ def pinned_size(runner: Any, size: int,
             return desc
         return dataclasses.replace(desc, num_reqs_padded=rows, num_tokens_padded=size)
 
-    runner.dispatch = pinned
+    remove = runner.add_descriptor_hook(pinned)
     try:
         yield
     finally:
-        del runner.dispatch           # back to the class's method
+        remove()
 
 
 def max_reqs_at(engine: Any, size: int) -> int:
@@ -285,7 +291,7 @@ def run_verify(args: argparse.Namespace, build_llm: Callable,
     for mode in modes:
         engine = build_llm(_with(args, enforce_eager=False, mode=mode)).engine
         if args.guard_kv:
-            guard_kv(engine.runner)
+            guard_kv(engine)
         sizes = list(engine.runner.graphs.dispatcher.sizes)
         with tqdm(total=len(sizes), desc=f"verify {mode}", unit="size",
                   file=sys.stderr) as bar:

@@ -1,0 +1,1 @@
+"""rung.cli: the `rung` command (the one package above bench/)."""

@@ -1,0 +1,98 @@
+"""`rung serve` (the OpenAI-compatible server) and `rung bench serve`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from rung.cli.args import HelpFormatter, add_engine_args, build_llm, check_output_path, importable
+
+
+def add_serve(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, "
+                           "/v1/chat/completions, /v1/models, /health, /metrics)",
+                           formatter_class=HelpFormatter)
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients send (default: --model)")
+    serve.add_argument("--api-key", default=os.environ.get("RUNG_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 (default: "
+                            "$RUNG_API_KEY; none: no auth)")
+    serve.add_argument("--max-queue", type=int, default=None,
+                       help="sequences that may wait beyond --max-num-seqs; more get 503 "
+                            "(default: no limit)")
+    serve.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template file, instead of the model's own")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds running requests get to finish after SIGTERM before "
+                            "they are cut (finish_reason 'abort')")
+    serve.add_argument("--uvicorn-log-level", default="warning",
+                       choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn's log level (access lines at info)")
+    serve.set_defaults(func=cmd_serve)
+
+
+def add_bench_serve(bench_sub: Any) -> None:
+    serve = bench_sub.add_parser("serve", help="rung serve under a bounded loopback load, "
+                                 "next to LLM.generate on the same prompts",
+                                 formatter_class=HelpFormatter)
+    add_engine_args(serve)
+    from rung.bench.serve import add_serve_bench_args
+
+    add_serve_bench_args(serve)
+    serve.set_defaults(func=cmd_bench_serve)
+
+
+def cmd_serve_check() -> None:
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if not importable(m)]
+    if missing:
+        raise ImportError(f"rung serve needs {', '.join(missing)}: pip install 'rung[serve]'")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    cmd_serve_check()
+    if args.data_parallel_size > 1:
+        raise ValueError(f"rung serve runs one engine: drop --data-parallel-size "
+                         f"{args.data_parallel_size}")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port {args.port} must be in [1, 65535]")
+    if args.max_queue is not None and args.max_queue < 0:
+        raise ValueError(f"--max-queue {args.max_queue} must be >= 0")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0")
+    template = None
+    if args.chat_template is not None:
+        with open(args.chat_template) as f:
+            template = f.read()
+    from rung.server.app import ServerConfig, run_server
+
+    config = ServerConfig(model_name=args.served_model_name or args.model,
+                          api_key=args.api_key or None, max_queue=args.max_queue,
+                          chat_template=template, shutdown_timeout_s=args.shutdown_timeout)
+    llm = build_llm(args)
+    return run_server(llm.engine, config, args.host, args.port, args.uvicorn_log_level)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    cmd_serve_check()
+    check_output_path(args.json, "--json")
+    from rung.bench.serve import run_serve_bench
+
+    return run_serve_bench(args, build_llm, engine_argv(args))
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of ``args`` that differ from their defaults, as a command line."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    argv: list[str] = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        argv += [flag] if isinstance(action, argparse._StoreTrueAction) else [flag, str(value)]
+    return argv

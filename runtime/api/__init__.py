@@ -1,0 +1,1 @@
+"""rung.runtime.api: the embedded API a user calls (LLM, parallel sampling)."""

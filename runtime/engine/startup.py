@@ -1,0 +1,162 @@
+"""Building an engine's parts: the target model, the proposer, and the graphs it captures."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import time
+from typing import Callable
+
+from tqdm import tqdm
+
+from rung.graphs.backends import resolve_graph_backend
+from rung.graphs.builder import GraphBuilder
+from rung.graphs.ladder import capture_sizes
+from rung.graphs.manager import TARGET, CaptureRecord, GraphManager, artifact_cache
+from rung.models.loader import LoadedModel, load_model
+from rung.models.registry import DraftModel
+from rung.runtime.config import EngineConfig
+from rung.runtime.engine.prefetch import start_prefetch
+from rung.runtime.spec.mtp import MtpProposer
+from rung.runtime.spec.ngram import NgramProposer
+from rung.runtime.spec.proposer import Proposer
+from rung.runtime.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def load_target(config: EngineConfig) -> tuple[LoadedModel, int]:
+    """The model to serve and its max_model_len (ValueError for a drafter or a length
+    above the model's own)."""
+    loaded = load_model(config.model, config.dtype, str(config.device), config.load_format,
+                        quantization=config.quantization)
+    if isinstance(loaded.model, DraftModel):
+        raise ValueError(f"model {config.model!r} is an MTP drafter, not a model to serve: "
+                         "pass it as speculative_config={'method': 'mtp', 'model': "
+                         f"{config.model!r}, ...}} next to a Gemma 4 target")
+    model_max = int(loaded.config.get("max_position_embeddings", 2048))
+    max_model_len = config.max_model_len if config.max_model_len is not None else model_max
+    if max_model_len > model_max:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                         f"max_position_embeddings={model_max}")
+    return loaded, max_model_len
+
+
+def make_proposer(config: EngineConfig, runner: ModelRunner) -> Proposer:
+    spec = config.speculative
+    if spec.method == "ngram":
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                             spec.prompt_lookup_max)
+    return MtpProposer.build(config, runner)
+
+
+def log_setup(config: EngineConfig, loaded: LoadedModel, runner: ModelRunner,
+              max_model_len: int) -> None:
+    weights = "random weights" if loaded.random_weights else "weights loaded"
+    logger.info("model %s (%s, %s): %s on %s, max_model_len %d, max_num_seqs %d",
+                config.model, loaded.config.get("model_type"), weights,
+                str(config.dtype).removeprefix("torch."), config.device, max_model_len,
+                config.max_num_seqs)
+    kv_bytes = sum(t.nbytes for t in {id(t): t for t in runner.kv_caches.values()}.values())
+    logger.info("attention backend %s; KV cache: %d blocks of %d tokens in %d group(s), "
+                "%.1f MiB", runner.backend.name, runner.num_blocks, config.block_size,
+                len(runner.kv_groups), kv_bytes / 2**20)
+
+
+def make_graph_manager(runner: ModelRunner, config: EngineConfig) -> GraphManager:
+    """The graph manager of ``config.compilation`` for ``runner`` (nothing captured yet)."""
+    comp = config.compilation
+    sizes = capture_sizes(comp.cudagraph_capture_sizes, config.max_num_seqs,
+                          config.num_spec_tokens, config.max_num_batched_tokens,
+                          comp.max_cudagraph_capture_size, short=runner.device.type == "cpu")
+    compiled = resolve_graph_backend(comp.graph_backend, runner.device) == "compiled"
+    cache = artifact_cache(runner, config) if compiled else None
+    _warn_if_batches_run_eagerly(sizes, config)
+    return GraphManager(runner, comp.cudagraph_mode, sizes, 1 + config.num_spec_tokens,
+                        comp.backend, comp.graph_backend, config.debug_padding, cache)
+
+
+def _warn_if_batches_run_eagerly(sizes: list[int], config: EngineConfig) -> None:
+    """User-given capture sizes below the largest batch the scheduler builds: say which
+    batches run eagerly (the default ladder says so itself)."""
+    if config.compilation.cudagraph_capture_sizes is None or not sizes:
+        return
+    step = 1 + config.num_spec_tokens
+    schedulable = min(config.max_num_seqs * step, config.max_num_batched_tokens)
+    if max(sizes) < schedulable:
+        logger.warning("cudagraph capture sizes %s stop at %d tokens: batches of %d to %d "
+                       "tokens (max_num_seqs=%d x %d) run eagerly", sizes, max(sizes),
+                       max(sizes) + 1, schedulable, config.max_num_seqs, step)
+
+
+class GraphStartup:
+    """The engine's graphs going live: all before serving ("blocking"), or one at a time
+    between steps while eager serves ("background"), with a progress bar on stderr."""
+
+    def __init__(self, runner: ModelRunner, proposer: Proposer | None, config: EngineConfig,
+                 capture_progress: Callable[[CaptureRecord], None] | None,
+                 data_parallel: bool, max_model_len: int) -> None:
+        graphs = make_graph_manager(runner, config)
+        runner.use_graphs(graphs)
+        sizes = graphs.dispatcher.sizes
+        logger.info("cudagraph mode %s, %s graphs: %d capture sizes %s", graphs.mode.name,
+                    graphs.capture_backend.name, len(sizes), _short(sizes))
+        total = graphs.num_graphs_to_capture
+        self.bar = tqdm(total=total, desc="Graphs live", unit="graph", leave=False,
+                        file=sys.stderr,
+                        disable=total == 0 or not logger.isEnabledFor(logging.INFO))
+
+        def progress(record: CaptureRecord) -> None:
+            self.bar.update(1)
+            if capture_progress is not None:
+                capture_progress(record)
+
+        after = None
+        if proposer is not None:
+            after = functools.partial(proposer.capture_all, graphs, progress)
+        startup = config.compilation.graph_startup
+        if startup == "auto":
+            blocking = data_parallel or graphs.capture_backend.name == "emulated"
+            startup = "blocking" if blocking else "background"
+        prefetch = None
+        if startup == "background" and getattr(graphs.capture_backend, "cache", None) is not None:
+            prefetch = start_prefetch(config, max_model_len)
+        self.builder = GraphBuilder(graphs, after, progress, prefetch)
+        if startup == "background":
+            logger.info("serving eagerly from the first step; %d graphs go live as they are "
+                        "built (%s); llm.wait_for_graphs() waits for them", total,
+                        "compiling in a subprocess" if prefetch else "between steps")
+            return
+        start = time.perf_counter()
+        self.wait()
+        _log_captured(graphs, time.perf_counter() - start)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Bring every graph live now (at most ``timeout`` seconds); True when all are."""
+        done = self.builder.wait(timeout)
+        if done:
+            self.bar.close()
+        return done
+
+    def advance(self) -> None:
+        """Between two steps: at most one more graph goes live (see GraphBuilder)."""
+        if not self.builder.done:
+            self.builder.advance()
+            if self.builder.done:
+                self.bar.close()
+
+
+def _log_captured(graphs: GraphManager, seconds: float) -> None:
+    draft = [r for r in graphs.records if r.graph != TARGET]
+    logger.info("captured %d graphs%s in %.1f s (one-time tracing %.1f s), %.1f MiB",
+                len(graphs.records) - len(draft),
+                f" + {len(draft)} draft graphs" if draft else "",
+                seconds, graphs.trace_seconds, graphs.pool_bytes / 2**20)
+
+
+def _short(sizes: list[int]) -> str:
+    """[1, 2, 4, 8, 16, 24, 32] -> '[1, 2, 4, ..., 24, 32]' past 8 sizes."""
+    if len(sizes) <= 8:
+        return str(sizes)
+    return f"[{', '.join(map(str, sizes[:3]))}, ..., {', '.join(map(str, sizes[-2:]))}]"

@@ -1,0 +1,1 @@
+"""rung.runtime.sched: scheduler, KV cache manager (block pools, prefix hashing), requests."""

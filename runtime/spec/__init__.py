@@ -1,0 +1,1 @@
+"""rung.runtime.spec: speculative decoding proposers (n-gram, MTP)."""

@@ -1,0 +1,1 @@
+"""rung.runtime.tools: verify and warmup, built on the engine's public hooks."""

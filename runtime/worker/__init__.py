@@ -1,0 +1,1 @@
+"""rung.runtime.worker: model runner, input batch, attention groups, samplers."""
