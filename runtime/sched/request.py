@@ -42,6 +42,10 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)     # fixed: the prompt never changes
         self.params = params
+        # NOTE: fixed for its life; a batch of such requests samples by argmax alone
+        self.argmax_only = params.greedy and not (
+            params.min_tokens or params.repetition_penalty != 1 or params.presence_penalty
+            or params.frequency_penalty)
         self.eos_token_id = eos_token_id
         self.arrival = arrival
         self.token_ids: list[int] = list(prompt_token_ids)   # prompt + output
