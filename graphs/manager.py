@@ -246,14 +246,9 @@ class GraphManager:
     def _full_inputs(ids: torch.Tensor, positions: torch.Tensor,
                      ctx: ForwardContext) -> list[torch.Tensor]:
         tensors = [ids, positions]
-        seen: set[int] = set()
-        for meta in ctx.attn_metadata.values():
-            common = getattr(meta, "common", meta)
-            for t in (common.query_start_loc, common.seq_lens, common.block_table,
-                      common.slot_mapping):
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    tensors.append(t)
+        for common in ctx.commons:          # NOTE: one per KV cache group, in group order
+            tensors += [common.query_start_loc, common.seq_lens, common.block_table,
+                        common.slot_mapping]
         return tensors
 
     # --- replay ---------------------------------------------------------------------------

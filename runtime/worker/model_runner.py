@@ -209,10 +209,11 @@ class ModelRunner:
                      ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         """(input ids, positions, forward context) of the padded batch: views of the input
         buffers and every layer's attention metadata (checked in debug mode)."""
-        _, attn_metadata = self.build_metadata(desc, layout)
+        commons, attn_metadata = self.build_metadata(desc, layout)
         ids = self.input_batch.input_ids.gpu[:desc.num_tokens_padded]
         positions = self.input_batch.positions.gpu[:desc.num_tokens_padded]
-        return ids, positions, ForwardContext(desc, attn_metadata, self.layers)
+        return ids, positions, ForwardContext(desc, attn_metadata, self.layers,
+                                              commons=commons)
 
     def build_metadata(self, desc: BatchExecutionDescriptor, layout: BatchLayout
                        ) -> tuple[list[CommonAttentionMetadata], dict[str, object]]:
