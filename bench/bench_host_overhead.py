@@ -95,7 +95,8 @@ def host_prepare(engine: LLMEngine) -> BatchExecutionDescriptor:
     sched = engine.scheduler.schedule()
     runner = engine.runner
     layout = runner.input_batch.prepare(sched, sched.block_ids)
-    desc = runner.dispatch(layout)
+    desc = runner.dispatcher.dispatch(layout.num_reqs, layout.num_tokens,
+                                      layout.uniform_query_len)
     runner.input_batch.pad(desc)
     runner.build_metadata(desc, layout)
     return desc

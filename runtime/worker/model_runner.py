@@ -13,7 +13,9 @@ import torch
 from rung.core.attention_metadata import CommonAttentionMetadata
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.forward_context import ForwardContext, forward_context
+from rung.core.graph_mode import CUDAGraphMode
 from rung.core.kv_cache_spec import KVCacheGroup, group_layers_by_spec
+from rung.graphs.dispatcher import Dispatcher
 from rung.kernels.attention import Attention
 from rung.kernels.backend import AttentionBackend, kv_cache_shape
 from rung.kernels.selector import select_backend
@@ -81,6 +83,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.host_output = HostOutput(config.device)
         self.graphs: GraphManager | None = None      # see use_graphs; None runs eagerly
+        # NOTE: without graphs, a dispatcher with no graph: every batch dispatches eager
+        self.dispatcher = Dispatcher(CUDAGraphMode.NONE, [], config.max_num_seqs,
+                                     1 + config.num_spec_tokens)
         self._descriptor_hooks: list[DescriptorHook] = []
         self._poison_rng = np.random.default_rng(config.seed)
 
@@ -140,6 +145,7 @@ class ModelRunner:
     def use_graphs(self, graphs: GraphManager) -> None:
         """Dispatch and run every later step through ``graphs`` (captured or capturing)."""
         self.graphs = graphs
+        self.dispatcher = graphs.dispatcher
 
     def add_descriptor_hook(self, hook: DescriptorHook) -> Callable[[], None]:
         """Every step's descriptor goes through ``hook(desc, num_tokens_across_dp)``, which
@@ -149,24 +155,8 @@ class ModelRunner:
         return lambda: self._descriptor_hooks.remove(hook)
 
     # --- one step -----------------------------------------------------------------------
-    # prepare -> dispatch -> pad -> forward (metadata, graph or eager) -> logits -> sample
-    def dispatch(self, layout: BatchLayout,
-                 num_tokens_across_dp: tuple[int, ...] | None = None
-                 ) -> BatchExecutionDescriptor:
-        """The descriptor the batch runs: the live graph its size dispatches to (or eager),
-        then every descriptor hook."""
-        if self.graphs is None:
-            desc = BatchExecutionDescriptor.eager(layout.num_reqs, layout.num_tokens,
-                                                  layout.uniform_query_len,
-                                                  num_tokens_across_dp)
-        else:
-            desc = self.graphs.dispatcher.dispatch(layout.num_reqs, layout.num_tokens,
-                                                   layout.uniform_query_len,
-                                                   num_tokens_across_dp)
-        for hook in self._descriptor_hooks:
-            desc = hook(desc, num_tokens_across_dp)
-        return desc
-
+    # prepare -> dispatch (+ hooks) -> pad -> forward (metadata, graph or eager) -> logits
+    # -> sample
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ids: list[list[list[int]]],
                 num_tokens_across_dp: tuple[int, ...] | None = None) -> ModelRunnerOutput:
@@ -176,7 +166,10 @@ class ModelRunner:
         layout = self.input_batch.prepare(sched, block_ids)
         if self.config.debug_padding:
             self.input_batch.check_block_rows(block_ids)
-        desc = self.dispatch(layout, num_tokens_across_dp)
+        desc = self.dispatcher.dispatch(layout.num_reqs, layout.num_tokens,
+                                        layout.uniform_query_len, num_tokens_across_dp)
+        for hook in self._descriptor_hooks:
+            desc = hook(desc, num_tokens_across_dp)
         self.input_batch.pad(desc)
         hidden = self.forward(desc, layout)                       # [num_tokens_padded, H]
         rows = to_device(self.device, layout.logits_indices)     # NOTE: non_blocking
