@@ -128,8 +128,9 @@ def _add_sampling(batch: SamplingBatch, reqs: list[Request], drafts: list[list[i
                            any(p.top_p < 1 for p in params))
     batch.min_p = _per_row([p.min_p for p in params], np.float32, row_req, device,
                            any(p.min_p > 0 for p in params))
-    batch.banned = _banned(reqs, within, row_req, device)
-    batch.penalties = Penalties.build(reqs, drafts, within, row_req, vocab_size, device)
+    if any(r.processes_logits for r in reqs):         # NOTE: rare: one check
+        batch.banned = _banned(reqs, within, row_req, device)
+        batch.penalties = Penalties.build(reqs, drafts, within, row_req, vocab_size, device)
 
 
 def _per_row(values: list, dtype: type, row_req: np.ndarray, device: torch.device,
