@@ -7,7 +7,7 @@ Built from the real engine pieces on bench-llama (8 layers) in decode steady sta
 request is past its prompt and decodes one token per step, dispatched on the default
 ladder under FULL_DECODE_ONLY (padded FULL descriptors, as a graph replay would see them).
 
-- ``test_host_prepare``: Scheduler.schedule + block ids + InputBatch.prepare / pad +
+- ``test_host_prepare``: Scheduler.schedule (with block ids) + InputBatch.prepare / pad +
   dispatch + ModelRunner.build_metadata: the work between two forwards.
 - ``test_host_engine_step``: a whole ``LLMEngine.step()`` with the model replaced by
   preallocated zeros (no forward, no lm_head): adds sampling and output bookkeeping.
@@ -49,20 +49,15 @@ class _NoForward:
 
 
 class _DispatchOnly:
-    """The graph manager's dispatch with no captured graph: `run` calls the model."""
+    """The graph manager with no captured graph: the runner dispatches through its
+    dispatcher, and `run` calls the model."""
 
     def __init__(self, dispatcher: Dispatcher, model: _NoForward) -> None:
         self.dispatcher = dispatcher
         self.model = model
 
-    def dispatch(self, num_reqs: int, num_tokens: int, uniform_query_len: int | None,
-                 num_tokens_across_dp: tuple[int, ...] | None = None
-                 ) -> BatchExecutionDescriptor:
-        return self.dispatcher.dispatch(num_reqs, num_tokens, uniform_query_len,
-                                        num_tokens_across_dp)
-
-    def run(self, desc: BatchExecutionDescriptor, ids: torch.Tensor,
-            positions: torch.Tensor) -> torch.Tensor:
+    def run(self, desc: BatchExecutionDescriptor, ids: torch.Tensor, positions: torch.Tensor,
+            ctx: object) -> torch.Tensor:
         return self.model(ids, positions)
 
 
@@ -98,10 +93,10 @@ def decode_engine(num_reqs: int) -> LLMEngine:
 def host_prepare(engine: LLMEngine) -> BatchExecutionDescriptor:
     """Everything between two forwards but sampling; leaves the requests where they are."""
     sched = engine.scheduler.schedule()
-    block_ids = [engine.kv.block_ids(s.request.request_id) for s in sched.scheduled]
     runner = engine.runner
-    layout = runner.input_batch.prepare(sched, block_ids)
-    desc = runner.dispatch(layout)
+    layout = runner.input_batch.prepare(sched, sched.block_ids)
+    desc = runner.dispatcher.dispatch(layout.num_reqs, layout.num_tokens,
+                                      layout.uniform_query_len)
     runner.input_batch.pad(desc)
     runner.build_metadata(desc, layout)
     return desc

@@ -4,7 +4,8 @@
 
 Builds an engine with compiled FULL graphs (on CPU an inductor-compiled artifact), runs
 the requests past their prompts and a few decode steps, then traces one more
-``LLMEngine.step()``: a uniform decode batch that replays a FULL graph. Prints every rung
+``LLMEngine.step()``: a uniform decode batch that replays a FULL graph, in production mode
+(``debug_padding`` off: debug mode adds checks). Prints every rung
 function the step calls (properties count: they are calls; comprehensions and generator
 expressions do not), in the order first called, then the files, and how often the walk
 came back to a file it had left.
@@ -71,7 +72,8 @@ def trace_calls(fn) -> StepTrace:
 
 
 def decode_step_trace(model: str, num_reqs: int) -> StepTrace:
-    llm = LLM(model, max_num_seqs=num_reqs, max_model_len=128,
+    # NOTE: production mode (debug_padding off, the default): debug mode adds checks
+    llm = LLM(model, max_num_seqs=num_reqs, max_model_len=128, debug_padding=False,
               compilation_config={"cudagraph_mode": "full_and_piecewise",
                                   "cudagraph_capture_sizes": [1, 2, 4, 8],
                                   "graph_backend": "compiled"})
@@ -104,7 +106,8 @@ def main(argv: list[str]) -> int:
         print(f"{i:>3} {name}")
     returns = len(trace.file_visits) - len(trace.files)
     print(f"{len(trace.functions)} functions in {len(trace.files)} files; "
-          f"{len(trace.file_visits)} file entries ({returns} back to a file already left)")
+          f"{len(trace.file_visits)} file entries ({returns} back to a file already left); "
+          "debug_padding off")
     for f in trace.files:
         print(f"  {f}: entered {trace.file_visits.count(f)}x")
     return 0

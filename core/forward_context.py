@@ -21,6 +21,8 @@ class ForwardContext:
     # True while a compiled CPU graph is traced: attention runs as torch ops the compiler
     # fuses, instead of the opaque op that piecewise graphs split at.
     inline_attention: bool = False
+    # the target's CommonAttentionMetadata, one per KV cache group (what a FULL graph reads)
+    commons: list[Any] = dataclasses.field(default_factory=list)
 
 
 _current: ForwardContext | None = None

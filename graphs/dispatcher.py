@@ -1,8 +1,9 @@
 """Dispatcher: (num_reqs, num_tokens, uniform_query_len) -> BatchExecutionDescriptor.
 
 Graphs are keyed by their capture descriptor (``graph_key``): every row a pad, the padded
-sizes, and the query length of a uniform decode graph. ``dispatch`` returns a graph mode
-only for a key that is live (captured and checked); any other batch runs eagerly.
+sizes, and the query length of a uniform decode graph. ``dispatch`` is a table lookup: it
+returns a graph mode only for a key that is live (captured and checked); any other batch
+runs eagerly.
 """
 
 from __future__ import annotations
@@ -38,12 +39,21 @@ class Dispatcher:
         self.max_num_reqs = max_num_reqs
         self.decode_query_len = decode_query_len   # 1, or 1 + k under spec decode
         self.live: set[BatchExecutionDescriptor] = set()   # graph keys a batch may replay
+        # the dispatch table: (uniform decode?, padded size) -> the live graph key batches
+        # of that slot replay (the policy's runtime mode for the slot); a missing slot is eager
+        self._table: dict[tuple[bool, int], BatchExecutionDescriptor] = {}
 
     def go_live(self, key: BatchExecutionDescriptor) -> None:
         """Batches of ``key``'s size replay its graph from the next dispatch on."""
         if key not in self.capture_descriptors():
             raise ValueError(f"{key} is not a graph key of this dispatcher")
         self.live.add(key)
+        size = key.num_tokens_padded
+        for uniform in (True, False):
+            query_len = self.decode_query_len if uniform else None
+            mode = self.runtime_mode(query_len)
+            if mode != CUDAGraphMode.NONE and self._key(mode, size, query_len) == key:
+                self._table[(uniform, size)] = key
 
     def padded_size(self, num_tokens: int) -> int | None:
         i = bisect.bisect_left(self.sizes, num_tokens)
@@ -60,27 +70,29 @@ class Dispatcher:
     def dispatch(self, num_reqs: int, num_tokens: int, uniform_query_len: int | None,
                  num_tokens_across_dp: tuple[int, ...] | None = None
                  ) -> BatchExecutionDescriptor:
-        """``num_tokens_across_dp``: under data parallel, the size every rank agreed to run
-        (a ladder size, or above the ladder: eager, padded to it)."""
-        mode = self.runtime_mode(uniform_query_len)
+        """The descriptor of the live graph the batch's slot holds, else eager (above the
+        largest size, or not live yet: never a crash). ``num_tokens_across_dp``: under data
+        parallel, the size every rank agreed to run (a ladder size, or eager padded to it)."""
         if num_tokens_across_dp is None:
-            size = self.padded_size(num_tokens)
+            i = bisect.bisect_left(self.sizes, num_tokens)
+            size = self.sizes[i] if i < len(self.sizes) else None
         else:
             size = max(num_tokens_across_dp)
-            size = size if size in self.sizes else None
-        key = None if mode == CUDAGraphMode.NONE or size is None else (
-            self._key(mode, size, uniform_query_len))
-        if key not in self.live:
-            # above the largest captured size, or not live yet: run eagerly, never crash
+        key = self._table.get((uniform_query_len == self.decode_query_len, size))
+        if key is None:
             return BatchExecutionDescriptor.eager(num_reqs, num_tokens, uniform_query_len,
                                                   num_tokens_across_dp)
-        rows = num_reqs if mode == CUDAGraphMode.PIECEWISE else key.num_reqs_padded
-        return BatchExecutionDescriptor(mode, num_reqs, rows, num_tokens, size,
+        rows = num_reqs if key.mode == CUDAGraphMode.PIECEWISE else key.num_reqs_padded
+        return BatchExecutionDescriptor(key.mode, num_reqs, rows, num_tokens, size,
                                         uniform_query_len, num_tokens_across_dp)
 
     def graph_key(self, desc: BatchExecutionDescriptor) -> BatchExecutionDescriptor:
         """The capture descriptor whose graph ``desc`` replays."""
-        return self._key(desc.mode, desc.num_tokens_padded, desc.uniform_query_len)
+        key = self._table.get((desc.uniform_query_len == self.decode_query_len,
+                               desc.num_tokens_padded))
+        if key is None or key.mode != desc.mode:
+            return self._key(desc.mode, desc.num_tokens_padded, desc.uniform_query_len)
+        return key
 
     def _key(self, mode: CUDAGraphMode, size: int, uniform_query_len: int | None
              ) -> BatchExecutionDescriptor:

@@ -15,7 +15,6 @@ from rung.core.forward_context import (
     ForwardContext,
     current_descriptor,
     forward_context,
-    get_forward_context,
 )
 from rung.core.graph_mode import CUDAGraphMode
 from rung.graphs.backends import make_capture_backend
@@ -99,12 +98,6 @@ class GraphManager:
     def pool_bytes(self) -> int:
         """What the capture pool holds for every graph captured so far (target and draft)."""
         return self.capture_backend.pool_bytes
-
-    def dispatch(self, num_reqs: int, num_tokens: int, uniform_query_len: int | None,
-                 num_tokens_across_dp: tuple[int, ...] | None = None
-                 ) -> BatchExecutionDescriptor:
-        return self.dispatcher.dispatch(num_reqs, num_tokens, uniform_query_len,
-                                        num_tokens_across_dp)
 
     # --- capture --------------------------------------------------------------------------
     @property
@@ -253,22 +246,19 @@ class GraphManager:
     def _full_inputs(ids: torch.Tensor, positions: torch.Tensor,
                      ctx: ForwardContext) -> list[torch.Tensor]:
         tensors = [ids, positions]
-        seen: set[int] = set()
-        for meta in ctx.attn_metadata.values():
-            common = getattr(meta, "common", meta)
-            for t in (common.query_start_loc, common.seq_lens, common.block_table,
-                      common.slot_mapping):
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    tensors.append(t)
+        for common in ctx.commons:          # NOTE: one per KV cache group, in group order
+            tensors += [common.query_start_loc, common.seq_lens, common.block_table,
+                        common.slot_mapping]
         return tensors
 
     # --- replay ---------------------------------------------------------------------------
-    def run(self, desc: BatchExecutionDescriptor, ids: torch.Tensor,
-            positions: torch.Tensor) -> torch.Tensor:
+    def run(self, desc: BatchExecutionDescriptor, ids: torch.Tensor, positions: torch.Tensor,
+            ctx: ForwardContext) -> torch.Tensor:
+        """The forward of ``desc`` (dispatched by ``dispatcher``), inside ``ctx``."""
         if desc.mode == CUDAGraphMode.FULL:
-            return self.replay(TARGET, self.dispatcher.graph_key(desc),
-                               self._full_inputs(ids, positions, get_forward_context()))
+            graph = self.full_graphs[(TARGET, self.dispatcher.graph_key(desc))]
+            # NOTE: a target replay: _replaying is TARGET outside a drafter's replay
+            return graph.replay(self._full_inputs(ids, positions, ctx))
         if desc.mode == CUDAGraphMode.NONE:
             # NOTE: the model itself, not the torch.compile wrapper of the pieces: its first
             # call traces the whole model, which must not delay an eager step (background

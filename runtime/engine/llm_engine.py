@@ -147,8 +147,9 @@ class LLMEngine:
         """schedule -> (data parallel: sync) -> execute -> commit -> outputs -> propose;
         children of an ``n > 1`` request report as their parent. Under data parallel every
         rank must call it; loop until ``all_ranks_idle``."""
-        if self.graph_startup is not None:
-            self.graph_startup.advance()
+        startup = self.graph_startup
+        if startup is not None and not startup.all_live:
+            startup.advance()
         sched = self.scheduler.schedule()
         outputs = [self._finish(req, "error", self._never_fits(req))
                    for req in sched.errored]
@@ -160,11 +161,11 @@ class LLMEngine:
             self.all_ranks_idle = dp_step.all_idle
             self.dp_num_finished = sum(dp_step.num_finished)
         if sched.scheduled:
-            block_ids = [self.kv.block_ids(s.request.request_id) for s in sched.scheduled]
             if dp_step is None:
-                result = self.runner.execute(sched, block_ids)
+                result = self.runner.execute(sched, sched.block_ids)
             else:
-                result = self.runner.execute(sched, block_ids, dp_step.num_tokens_across_dp())
+                result = self.runner.execute(sched, sched.block_ids,
+                                             dp_step.num_tokens_across_dp())
             self._stats.steps[result.desc.mode, result.desc.num_tokens_padded] += 1
             for listener in self._step_listeners:
                 listener(result)

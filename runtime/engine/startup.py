@@ -123,6 +123,7 @@ class GraphStartup:
         if startup == "background" and getattr(graphs.capture_backend, "cache", None) is not None:
             prefetch = start_prefetch(config, max_model_len)
         self.builder = GraphBuilder(graphs, after, progress, prefetch)
+        self.all_live = False            # every graph live: nothing left to advance
         if startup == "background":
             logger.info("serving eagerly from the first step; %d graphs go live as they are "
                         "built (%s); llm.wait_for_graphs() waits for them", total,
@@ -137,14 +138,17 @@ class GraphStartup:
         done = self.builder.wait(timeout)
         if done:
             self.bar.close()
+            self.all_live = True
         return done
 
     def advance(self) -> None:
-        """Between two steps: at most one more graph goes live (see GraphBuilder)."""
+        """Between two steps: at most one more graph goes live (see GraphBuilder); the
+        engine stops calling once ``all_live``."""
         if not self.builder.done:
             self.builder.advance()
-            if self.builder.done:
-                self.bar.close()
+        if self.builder.done:
+            self.bar.close()
+            self.all_live = True
 
 
 def _log_captured(graphs: GraphManager, seconds: float) -> None:

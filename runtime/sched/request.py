@@ -42,6 +42,11 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)     # fixed: the prompt never changes
         self.params = params
+        # NOTE: fixed for its life, so the sampler checks a batch once: logits processing
+        # (min_tokens, penalties) only if a request asks; argmax alone if all are greedy
+        self.processes_logits = bool(params.min_tokens or params.repetition_penalty != 1
+                                     or params.presence_penalty or params.frequency_penalty)
+        self.argmax_only = params.greedy and not self.processes_logits
         self.eos_token_id = eos_token_id
         self.arrival = arrival
         self.token_ids: list[int] = list(prompt_token_ids)   # prompt + output

@@ -29,6 +29,8 @@ class SchedulerOutput:
     num_tokens: int
     preempted: list[str]
     errored: list[Request]
+    # block_ids[i][g]: scheduled request i's KV blocks in group g (the KV manager's lists)
+    block_ids: list[list[list[int]]] = dataclasses.field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
@@ -92,6 +94,8 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new, len(req.spec_token_ids)))
             budget -= num_new
         out.num_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        req_blocks = self.kv.req_blocks
+        out.block_ids = [req_blocks[s.request.request_id] for s in out.scheduled]
         return out
 
     @staticmethod

@@ -45,10 +45,13 @@ def build_attention_groups(layers: dict[str, Attention], layer_kv_group: dict[st
 
 def build_layer_metadata(groups: list[AttentionGroup], commons: list[CommonAttentionMetadata],
                          check_values: bool) -> dict[str, object]:
-    """Validate each KV cache group's metadata, build it once per attention group, and map
-    every layer to its group's metadata."""
-    for common in commons:
-        validate(common, check_values=check_values)
+    """Build each KV cache group's metadata once per attention group and map every layer
+    to its group's metadata. ``check_values`` (debug mode) first holds every group's
+    metadata to the descriptor contract (`validate`); production skips the check, as the
+    backends check the shapes they rely on (`check_shape_contract`)."""
+    if check_values:
+        for common in commons:
+            validate(common)
     per_layer: dict[str, object] = {}
     for group in groups:
         meta = group.builder.build(commons[group.kv_group_id])

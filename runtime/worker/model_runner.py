@@ -13,7 +13,9 @@ import torch
 from rung.core.attention_metadata import CommonAttentionMetadata
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.forward_context import ForwardContext, forward_context
+from rung.core.graph_mode import CUDAGraphMode
 from rung.core.kv_cache_spec import KVCacheGroup, group_layers_by_spec
+from rung.graphs.dispatcher import Dispatcher
 from rung.kernels.attention import Attention
 from rung.kernels.backend import AttentionBackend, kv_cache_shape
 from rung.kernels.selector import select_backend
@@ -81,6 +83,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.host_output = HostOutput(config.device)
         self.graphs: GraphManager | None = None      # see use_graphs; None runs eagerly
+        # NOTE: without graphs, a dispatcher with no graph: every batch dispatches eager
+        self.dispatcher = Dispatcher(CUDAGraphMode.NONE, [], config.max_num_seqs,
+                                     1 + config.num_spec_tokens)
         self._descriptor_hooks: list[DescriptorHook] = []
         self._poison_rng = np.random.default_rng(config.seed)
 
@@ -140,6 +145,7 @@ class ModelRunner:
     def use_graphs(self, graphs: GraphManager) -> None:
         """Dispatch and run every later step through ``graphs`` (captured or capturing)."""
         self.graphs = graphs
+        self.dispatcher = graphs.dispatcher
 
     def add_descriptor_hook(self, hook: DescriptorHook) -> Callable[[], None]:
         """Every step's descriptor goes through ``hook(desc, num_tokens_across_dp)``, which
@@ -149,22 +155,8 @@ class ModelRunner:
         return lambda: self._descriptor_hooks.remove(hook)
 
     # --- one step -----------------------------------------------------------------------
-    def dispatch(self, layout: BatchLayout,
-                 num_tokens_across_dp: tuple[int, ...] | None = None
-                 ) -> BatchExecutionDescriptor:
-        if self.graphs is None:
-            return BatchExecutionDescriptor.eager(layout.num_reqs, layout.num_tokens,
-                                                  layout.uniform_query_len,
-                                                  num_tokens_across_dp)
-        return self.graphs.dispatch(layout.num_reqs, layout.num_tokens,
-                                    layout.uniform_query_len, num_tokens_across_dp)
-
-    def build_metadata(self, desc: BatchExecutionDescriptor, layout: BatchLayout
-                       ) -> tuple[list[CommonAttentionMetadata], dict[str, object]]:
-        commons = self.input_batch.common_metadata(desc, layout, self.max_model_len)
-        return commons, build_layer_metadata(self.attn_groups, commons,
-                                             self.config.debug_padding)
-
+    # prepare -> dispatch (+ hooks) -> pad -> forward (metadata, graph or eager) -> logits
+    # -> sample
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ids: list[list[list[int]]],
                 num_tokens_across_dp: tuple[int, ...] | None = None) -> ModelRunnerOutput:
@@ -174,7 +166,8 @@ class ModelRunner:
         layout = self.input_batch.prepare(sched, block_ids)
         if self.config.debug_padding:
             self.input_batch.check_block_rows(block_ids)
-        desc = self.dispatch(layout, num_tokens_across_dp)
+        desc = self.dispatcher.dispatch(layout.num_reqs, layout.num_tokens,
+                                        layout.uniform_query_len, num_tokens_across_dp)
         for hook in self._descriptor_hooks:
             desc = hook(desc, num_tokens_across_dp)
         self.input_batch.pad(desc)
@@ -199,20 +192,28 @@ class ModelRunner:
 
     def forward(self, desc: BatchExecutionDescriptor, layout: BatchLayout) -> torch.Tensor:
         """Run the target model on the prepared, padded batch -> hidden [num_tokens_padded, H]."""
-        ids, positions, ctx = self._inputs(desc, layout)
+        ids, positions, ctx = self.model_inputs(desc, layout)
         with forward_context(ctx):
             if self.graphs is None:
-                hidden = self.model(ids, positions)
-            else:
-                hidden = self.graphs.run(desc, ids, positions)
-        return hidden
+                return self.model(ids, positions)
+            return self.graphs.run(desc, ids, positions, ctx)
 
-    def _inputs(self, desc: BatchExecutionDescriptor, layout: BatchLayout
-                ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
-        _, attn_metadata = self.build_metadata(desc, layout)
+    def model_inputs(self, desc: BatchExecutionDescriptor, layout: BatchLayout
+                     ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        """(input ids, positions, forward context) of the padded batch: views of the input
+        buffers and every layer's attention metadata (checked in debug mode)."""
+        commons, attn_metadata = self.build_metadata(desc, layout)
         ids = self.input_batch.input_ids.gpu[:desc.num_tokens_padded]
         positions = self.input_batch.positions.gpu[:desc.num_tokens_padded]
-        return ids, positions, ForwardContext(desc, attn_metadata, self.layers)
+        return ids, positions, ForwardContext(desc, attn_metadata, self.layers,
+                                              commons=commons)
+
+    def build_metadata(self, desc: BatchExecutionDescriptor, layout: BatchLayout
+                       ) -> tuple[list[CommonAttentionMetadata], dict[str, object]]:
+        """Per KV cache group, then per layer (its attention group's)."""
+        commons = self.input_batch.common_metadata(desc, layout, self.max_model_len)
+        return commons, build_layer_metadata(self.attn_groups, commons,
+                                             self.config.debug_padding)
 
     def poison_pads(self, desc: BatchExecutionDescriptor, generator: torch.Generator) -> None:
         """Garbage into the pad input rows a replay of ``desc`` reads (debug_padding)."""
@@ -223,19 +224,20 @@ class ModelRunner:
         """Inputs of a capture batch: every row a pad."""
         layout = self.input_batch.prepare_empty()
         self.input_batch.pad(desc)
-        return self._inputs(desc, layout)
+        return self.model_inputs(desc, layout)
 
     def _sample(self, sched: SchedulerOutput, layout: BatchLayout, logits: torch.Tensor,
                 out: ModelRunnerOutput) -> None:
         """Sampled tokens (and logprobs, prompt logprobs) of every request into ``out``: one
-        batched pass on the device (sampler, then verification), then ONE device-to-host
-        copy."""
-        reqs, drafts = [], []
+        batched pass on the device (sampler, then verification of drafts), then ONE
+        device-to-host copy."""
+        reqs, drafts, wants_prompt = [], [], False
         for s, n in zip(sched.scheduled, layout.num_logits_per_req):
             if n:                    # NOTE: request order = logits row order, 1 + k rows each
                 reqs.append(s.request)
                 drafts.append(s.request.spec_token_ids[:n - 1])
-        prompt = self._prompt_rows(sched)
+            wants_prompt |= s.request.params.prompt_logprobs is not None
+        prompt = self._prompt_rows(sched) if wants_prompt else []
         if not reqs and not prompt:
             return
         parts, num_top = [], None
@@ -243,14 +245,15 @@ class ModelRunner:
             batch = SamplingBatch.build(reqs, drafts, self.config.seed, self.vocab_size,
                                         self.device)
             tokens = self.sampler(logits, batch)                   # [num_logits] int64
-            accepted = num_accepted(tokens, batch)                 # [num_reqs] int64
+            parts = [tokens.double()]
+            if batch.num_drafts:
+                parts.append(num_accepted(tokens, batch).double())  # [num_reqs] int64
             num_top = max((n for n in batch.num_logprobs if n is not None), default=None)
-            parts = [tokens.double(), accepted.double()]
             if num_top is not None:
                 parts.append(token_logprobs(logits, tokens, num_top).double().flatten())
         if prompt:
             parts.append(self._prompt_logprobs(out.hidden, prompt).double().flatten())
-        host = self.host_output.fetch(torch.cat(parts))           # the step's one copy
+        host = self.host_output.fetch(torch.cat(parts) if len(parts) > 1 else parts[0])
         if reqs:
             host = self._unpack(host, reqs, batch, num_top, layout, out)
         if prompt:
@@ -282,13 +285,19 @@ class ModelRunner:
     def _unpack(self, host: np.ndarray, reqs: list[Request], batch: SamplingBatch,
                 num_top: int | None, layout: BatchLayout, out: ModelRunnerOutput
                 ) -> np.ndarray:
-        """host: [num_rows] tokens, [num_reqs] accepted, then [num_rows, 2 + 2 * num_top]
-        logprobs (`token_logprobs`) when any request asked. Returns what follows."""
-        num_rows, num_reqs = batch.num_rows, len(reqs)
+        """host: [num_rows] tokens, [num_reqs] accepted when any request verified drafts,
+        then [num_rows, 2 + 2 * num_top] logprobs (`token_logprobs`) when any request asked.
+        Returns what follows."""
+        num_rows, end = batch.num_rows, batch.num_rows
         tokens = host[:num_rows].astype(np.int64)
-        accepted = host[num_rows:num_rows + num_reqs].astype(np.int64).tolist()
-        end = num_rows + num_reqs + (num_rows * (2 + 2 * num_top) if num_top is not None else 0)
-        lps = host[num_rows + num_reqs:end].reshape(num_rows, -1) if num_top is not None else None
+        accepted = [0] * len(reqs)
+        if batch.num_drafts:
+            accepted = host[end:end + len(reqs)].astype(np.int64).tolist()
+            end += len(reqs)
+        lps = None
+        if num_top is not None:
+            lps = host[end:end + num_rows * (2 + 2 * num_top)].reshape(num_rows, -1)
+            end += lps.size
         for req, start, n_acc in zip(reqs, batch.starts.tolist(), accepted):
             rows = range(start, start + n_acc + 1)
             out.sampled[req.request_id] = tokens[start:start + n_acc + 1].tolist()

@@ -50,7 +50,7 @@ def rejection_sample_with_probs(probs: torch.Tensor, target: torch.Tensor,
     request j emits tokens[starts[j] : starts[j] + accepted[j] + 1].
     """
     num_reqs, k_max = batch.drafts.shape
-    if k_max == 0:
+    if k_max == 0 or batch.argmax:      # NOTE: all greedy: the rule keeps matching drafts
         return target, num_accepted(target, batch)
     rows = batch.draft_rows[:, :-1]                                # [num_reqs, k_max]
     valid = batch.drafts >= 0

@@ -60,25 +60,31 @@ def to_device(device: torch.device, array: np.ndarray) -> torch.Tensor:
 @dataclasses.dataclass
 class SamplingBatch:
     """The sampled rows of one step: request j owns rows [starts[j], starts[j] + 1 + k_j),
-    its k_j drafts verified at the first k_j of them. Device tensors unless noted."""
+    its k_j drafts verified at the first k_j of them. Device tensors unless noted.
+
+    NOTE: a batch of ``argmax_only`` requests (greedy, no penalty, no min_tokens) samples
+    by argmax alone: everything from ``keys`` on stays None (`Sampler` checks ``argmax``).
+    """
 
     num_rows: int                  # host: sum of 1 + k_j
     row_req: np.ndarray            # host [num_rows] int64: request of each row
     starts: np.ndarray             # host [num_reqs] int64: first row of each request
+    num_drafts: int                # k_max: the most drafts any request verifies
     drafts: torch.Tensor           # [num_reqs, k_max] int64, -1 past a request's k_j
     draft_rows: torch.Tensor       # [num_reqs, k_max + 1] int64: row of each position, 0 pads
-    keys: np.ndarray               # host [num_rows] uint64
-    positions: np.ndarray          # host [num_rows] int64: sequence position sampled
-    uniform: torch.Tensor          # [num_rows] fp32, STREAM_TARGET
-    greedy: torch.Tensor           # [num_rows] bool
-    temperature: torch.Tensor      # [num_rows] fp32, 1 on greedy rows
-    top_k: torch.Tensor | None     # [num_rows] int64, vocab for "all"; None: nobody asks
-    top_p: torch.Tensor | None     # [num_rows] fp32; None: nobody asks
-    min_p: torch.Tensor | None     # [num_rows] fp32; None: nobody asks
-    banned: tuple[torch.Tensor, torch.Tensor] | None   # (rows, token ids) masked: min_tokens
-    penalties: Penalties | None
     num_logprobs: list[int | None]  # host [num_reqs]
-    all_greedy: bool
+    argmax: bool = True            # every row greedy with nothing to process: argmax alone
+    keys: np.ndarray | None = None         # host [num_rows] uint64
+    positions: np.ndarray | None = None    # host [num_rows] int64: sequence position sampled
+    uniform: torch.Tensor | None = None    # [num_rows] fp32, STREAM_TARGET
+    greedy: torch.Tensor | None = None     # [num_rows] bool
+    temperature: torch.Tensor | None = None    # [num_rows] fp32, 1 on greedy rows
+    top_k: torch.Tensor | None = None      # [num_rows] int64, vocab for "all"; None: nobody asks
+    top_p: torch.Tensor | None = None      # [num_rows] fp32; None: nobody asks
+    min_p: torch.Tensor | None = None      # [num_rows] fp32; None: nobody asks
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None   # (rows, token ids): min_tokens
+    penalties: Penalties | None = None
+    all_greedy: bool = True
 
     @classmethod
     def build(cls, reqs: list[Request], drafts: list[list[int]], engine_seed: int,
@@ -88,35 +94,43 @@ class SamplingBatch:
         per_req = num_drafts + 1
         starts = np.concatenate([[0], np.cumsum(per_req)[:-1]]).astype(np.int64)
         row_req = np.repeat(np.arange(len(reqs)), per_req)                     # [num_rows]
-        within = np.arange(len(row_req)) - starts[row_req]      # [0, 1, .., k_j] per request
-        params = [r.params for r in reqs]
-        base = np.array([r.num_tokens for r in reqs], dtype=np.int64)
-        positions = base[row_req] + within
-        keys = np.array([request_key(r, engine_seed) for r in reqs], dtype=np.uint64)[row_req]
-        greedy = np.array([p.temperature < _EPS for p in params])[row_req]
-        temps = np.array([p.temperature for p in params], dtype=np.float32)[row_req]
         k_max = int(num_drafts.max(initial=0))
         padded = np.full((len(reqs), k_max), -1, dtype=np.int64)
         for j, d in enumerate(drafts):
             padded[j, :len(d)] = d
         grid = np.arange(k_max + 1)
         rows = np.where(grid <= num_drafts[:, None], starts[:, None] + grid, 0)
-        return cls(
-            num_rows=len(row_req), row_req=row_req, starts=starts,
-            drafts=to_device(device, padded), draft_rows=to_device(device, rows), keys=keys,
-            positions=positions,
-            uniform=to_device(device, uniforms(keys, positions).astype(np.float32)),
-            greedy=to_device(device, greedy),
-            temperature=to_device(device, np.where(greedy, 1, temps)),
-            top_k=_per_row([p.top_k or vocab_size for p in params], np.int64, row_req,
-                           device, any(0 < p.top_k < vocab_size for p in params)),
-            top_p=_per_row([p.top_p for p in params], np.float32, row_req, device,
-                           any(p.top_p < 1 for p in params)),
-            min_p=_per_row([p.min_p for p in params], np.float32, row_req, device,
-                           any(p.min_p > 0 for p in params)),
-            banned=_banned(reqs, within, row_req, device),
-            penalties=Penalties.build(reqs, drafts, within, row_req, vocab_size, device),
-            num_logprobs=[p.logprobs for p in params], all_greedy=bool(greedy.all()))
+        batch = cls(len(row_req), row_req, starts, k_max, to_device(device, padded),
+                    to_device(device, rows), [r.params.logprobs for r in reqs])
+        if not all(r.argmax_only for r in reqs):         # NOTE: the one check
+            _add_sampling(batch, reqs, drafts, engine_seed, vocab_size, device)
+        return batch
+
+
+def _add_sampling(batch: SamplingBatch, reqs: list[Request], drafts: list[list[int]],
+                  engine_seed: int, vocab_size: int, device: torch.device) -> None:
+    """Fill in what sampling, penalties and min_tokens read (a batch not all argmax)."""
+    row_req, params = batch.row_req, [r.params for r in reqs]
+    within = np.arange(batch.num_rows) - batch.starts[row_req]  # [0, 1, .., k_j] per request
+    base = np.array([r.num_tokens for r in reqs], dtype=np.int64)
+    batch.positions = base[row_req] + within
+    batch.keys = np.array([request_key(r, engine_seed) for r in reqs],
+                          dtype=np.uint64)[row_req]
+    greedy = np.array([p.temperature < _EPS for p in params])[row_req]
+    temps = np.array([p.temperature for p in params], dtype=np.float32)[row_req]
+    batch.argmax, batch.all_greedy = False, bool(greedy.all())
+    batch.uniform = to_device(device, uniforms(batch.keys, batch.positions).astype(np.float32))
+    batch.greedy = to_device(device, greedy)
+    batch.temperature = to_device(device, np.where(greedy, 1, temps))
+    batch.top_k = _per_row([p.top_k or vocab_size for p in params], np.int64, row_req,
+                           device, any(0 < p.top_k < vocab_size for p in params))
+    batch.top_p = _per_row([p.top_p for p in params], np.float32, row_req, device,
+                           any(p.top_p < 1 for p in params))
+    batch.min_p = _per_row([p.min_p for p in params], np.float32, row_req, device,
+                           any(p.min_p > 0 for p in params))
+    if any(r.processes_logits for r in reqs):         # NOTE: rare: one check
+        batch.banned = _banned(reqs, within, row_req, device)
+        batch.penalties = Penalties.build(reqs, drafts, within, row_req, vocab_size, device)
 
 
 def _per_row(values: list, dtype: type, row_req: np.ndarray, device: torch.device,
@@ -251,6 +265,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logits [R, V] -> tokens [R] int64 (row r: the target's sample at its position)."""
+        if batch.argmax:
+            return logits.argmax(dim=-1)
         logits = processed_logits(logits, batch)
         tokens = logits.argmax(dim=-1)
         if batch.all_greedy:
