@@ -5,8 +5,9 @@ float before its FMA; on AVX2 it runs SmolLM2's layer matmuls in 20 ms a decode 
 llama.cpp's whole step. ``csrc/gguf_gemm.c`` does what llama.cpp does: each 32-group of an
 activation row is rounded to int8 with its own scale, and a group's dot product with the
 weight's 4- or 8-bit values is one integer ``maddubs`` (32 weights an instruction), scaled
-in fp32. The weight stays in GGUF's own blocks (``GGUFBlockWeight``: Q4_0, Q4_1, Q8_0), so
-nothing is rounded at load; the activation rounding is the kernel's only approximation,
+in fp32. The weight stays in GGUF's own blocks, bytes as in the file (``GGUFBlockWeight``:
+Q4_0, Q4_1, Q8_0), so nothing is rounded or unpacked at load and the kernel reads as few
+bytes as llama.cpp; the activation rounding is the kernel's only approximation,
 and ``gguf_gemm_reference`` (torch, fp64) is the same formula, the tests' oracle.
 
 The C source is compiled once per machine with the system C compiler (the one inductor
@@ -36,47 +37,70 @@ _SOURCE = Path(__file__).parent / "csrc" / "gguf_gemm.c"
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC"]
 
 
+# GGUF type -> (bytes a block, code of kernels/csrc/gguf_gemm.c)
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+TYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+
+
 @dataclasses.dataclass
 class GGUFBlockWeight:
-    """A weight [N, K] in GGUF blocks: w[n, k] = scale[n, g] * q[n, k] + offset[n, g]
-    (g = k // 32; Q4_0: offset -8 scale; Q4_1: offset m; Q8_0: offset 0)."""
+    """A weight [N, K] in a GGUF file's own blocks of 32 along K, bytes as the file has them:
+    w[n, k] = scale[n, g] * q[n, k] + offset[n, g]  (g = k // 32; Q4_0: offset -8 scale;
+    Q4_1: offset m; Q8_0: offset 0)."""
 
-    qs: torch.Tensor        # bits 4: [N, K // 2] uint8, byte j of a group = weights j, j + 16
-    #                         bits 8: [N, K] int8
-    scale: torch.Tensor     # [N, K // 32] fp32
-    offset: torch.Tensor    # [N, K // 32] fp32
-    bits: int               # 4 or 8
+    blocks: torch.Tensor    # [N, K // 32 * BLOCK_BYTES[type_name]] uint8
+    type_name: str          # "Q4_0", "Q4_1" or "Q8_0"
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.qs.shape[0], self.scale.shape[1] * GROUP_SIZE
+        return self.blocks.shape[0], self.num_groups * GROUP_SIZE
+
+    @property
+    def num_groups(self) -> int:
+        return self.blocks.shape[1] // BLOCK_BYTES[self.type_name]
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.type_name == "Q8_0" else 4
+
+    def _fields(self) -> torch.Tensor:
+        return self.blocks.reshape(self.blocks.shape[0], self.num_groups,
+                                   BLOCK_BYTES[self.type_name])           # [N, G, bytes]
+
+    def scale(self) -> torch.Tensor:
+        """[N, K // 32] fp32 (the f16 d, widened exactly)."""
+        return self._fields()[..., :2].contiguous().view(torch.float16)[..., 0].float()
+
+    def offset(self) -> torch.Tensor:
+        """[N, K // 32] fp32: -8 d (Q4_0), m (Q4_1) or 0 (Q8_0)."""
+        if self.type_name == "Q4_1":
+            return self._fields()[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
+        return -8.0 * self.scale() if self.type_name == "Q4_0" else torch.zeros_like(
+            self.scale())
 
     def values(self) -> torch.Tensor:
         """q [N, K] in k order: 0..15 (4 bits) or -128..127 (8 bits), int16."""
-        if self.bits == 8:
-            return self.qs.to(torch.int16)
-        num_rows, num_cols = self.shape
-        groups = self.qs.reshape(num_rows, num_cols // GROUP_SIZE, GROUP_SIZE // 2)
-        nibbles = torch.cat((groups & 0x0F, groups >> 4), dim=-1)       # [N, G, 32]
-        return nibbles.reshape(num_rows, num_cols).to(torch.int16)
+        fields = self._fields()
+        if self.type_name == "Q8_0":
+            return fields[..., 2:].contiguous().view(torch.int8).reshape(self.shape).short()
+        nibbles = fields[..., -16:]                                         # [N, G, 16]
+        return torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(self.shape).short()
 
 
 def stack_rows(shards: list[GGUFBlockWeight]) -> GGUFBlockWeight:
     """Shards' rows stacked into one weight (fused q/k/v, gate/up)."""
-    if len({s.bits for s in shards}) != 1 or len({s.shape[1] for s in shards}) != 1:
-        raise ValueError(f"fused shards mix bit widths or widths: "
-                         f"{[(s.bits, s.shape) for s in shards]}")
+    if len({(s.type_name, s.shape[1]) for s in shards}) != 1:
+        raise ValueError(f"fused shards mix types or widths: "
+                         f"{[(s.type_name, s.shape) for s in shards]}")
     if len(shards) == 1:
         return shards[0]
-    return GGUFBlockWeight(torch.cat([s.qs for s in shards]),
-                           torch.cat([s.scale for s in shards]),
-                           torch.cat([s.offset for s in shards]), shards[0].bits)
+    return GGUFBlockWeight(torch.cat([s.blocks for s in shards]), shards[0].type_name)
 
 
 def dequantize_reference(weight: GGUFBlockWeight) -> torch.Tensor:
     """The weight [N, K] in fp32 (the block formula, exact: fp32 scale times small ints)."""
-    scale = weight.scale.repeat_interleave(GROUP_SIZE, dim=1)            # [N, K]
-    offset = weight.offset.repeat_interleave(GROUP_SIZE, dim=1)          # [N, K]
+    scale = weight.scale().repeat_interleave(GROUP_SIZE, dim=1)          # [N, K]
+    offset = weight.offset().repeat_interleave(GROUP_SIZE, dim=1)        # [N, K]
     return weight.values().float() * scale + offset
 
 
@@ -96,40 +120,38 @@ def gguf_gemm_reference(x: torch.Tensor, weight: GGUFBlockWeight) -> torch.Tenso
     num_rows, num_cols = weight.shape
     q = weight.values().double().reshape(num_rows, num_cols // GROUP_SIZE, GROUP_SIZE)
     dots = torch.einsum("mgk,ngk->mng", xq.double(), q)                   # [M, N, G]
-    scaled = dots * weight.scale.double()[None] * dx.double()[:, None]    # [M, N, G]
-    return (scaled.sum(-1) + xsum @ weight.offset.double().t()).float()
+    scaled = dots * weight.scale().double()[None] * dx.double()[:, None]  # [M, N, G]
+    return (scaled.sum(-1) + xsum @ weight.offset().double().t()).float()
 
 
 def gguf_gemm(x: torch.Tensor, weight: GGUFBlockWeight) -> torch.Tensor:
     """x [M, K] fp32 @ w^T -> [M, N] fp32 (eager; compiled graphs call ``rung::gguf_gemm``)."""
+    code = TYPE_CODES[weight.type_name]
     if torch.compiler.is_compiling():
-        return torch.ops.rung.gguf_gemm(x, weight.qs, weight.scale, weight.offset, weight.bits)
-    return _gemm(x, weight.qs, weight.scale, weight.offset, weight.bits)
+        return torch.ops.rung.gguf_gemm(x, weight.blocks, code)
+    return _gemm(x, weight.blocks, code)
 
 
-def _gemm(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-          bits: int) -> torch.Tensor:
+def _gemm(x: torch.Tensor, blocks: torch.Tensor, code: int) -> torch.Tensor:
     num_rows, num_cols = x.shape
     if x.dtype != torch.float32 or not x.is_contiguous():
         x = x.float().contiguous()
-    out = torch.empty(num_rows, qs.shape[0], dtype=torch.float32)
-    status = _library().gguf_gemm(x.data_ptr(), num_rows, num_cols, qs.data_ptr(),
-                                  scale.data_ptr(), offset.data_ptr(), qs.shape[0], bits,
-                                  out.data_ptr())
+    out = torch.empty(num_rows, blocks.shape[0], dtype=torch.float32)
+    status = _library().gguf_gemm(x.data_ptr(), num_rows, num_cols, blocks.data_ptr(),
+                                  blocks.shape[0], code, out.data_ptr())
     if status:
         raise MemoryError(f"gguf_gemm: no scratch memory for {num_rows} x {num_cols} rows")
     return out
 
 
 @torch.library.custom_op("rung::gguf_gemm", mutates_args=())
-def _gguf_gemm_op(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor,
-                  offset: torch.Tensor, bits: int) -> torch.Tensor:
-    return _gemm(x, qs, scale, offset, bits)
+def _gguf_gemm_op(x: torch.Tensor, blocks: torch.Tensor, code: int) -> torch.Tensor:
+    return _gemm(x, blocks, code)
 
 
 @_gguf_gemm_op.register_fake
-def _(x, qs, scale, offset, bits):
-    return x.new_empty(x.shape[0], qs.shape[0], dtype=torch.float32)
+def _(x, blocks, code):
+    return x.new_empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
 
 
 def available() -> str | None:
@@ -174,6 +196,6 @@ def _library() -> ctypes.CDLL:
         logger.info("compiled the GGUF CPU kernel into %s", path)
     lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.gguf_gemm.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int, ptr]
+    lib.gguf_gemm.argtypes = [ptr, i64, i64, ptr, i64, ctypes.c_int, ptr]
     lib.gguf_gemm.restype = ctypes.c_int
     return lib

@@ -320,26 +320,16 @@ BLOCK_TYPES = INT4_TYPES + ("Q8_0",)
 
 
 def block_weight(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> GGUFBlockWeight:
-    """Raw Q4_0 / Q4_1 / Q8_0 data of a matrix ``shape`` [N, K] -> its ``GGUFBlockWeight``,
-    losslessly (``dequantize_reference`` of it is ``dequantize`` of the same data: f16
-    scales widen exactly, and scale * q is exact in fp32)."""
+    """Raw Q4_0 / Q4_1 / Q8_0 data of a matrix ``shape`` [N, K] -> its ``GGUFBlockWeight``:
+    the file's bytes, copied once out of the memory map (``dequantize_reference`` of it is
+    ``dequantize`` of the same data)."""
     if type_name not in BLOCK_TYPES or len(shape) != 2:
         raise ValueError(f"block weights come from 2-D {' / '.join(BLOCK_TYPES)} tensors, "
                          f"not a {len(shape)}-D {type_name} one")
     num_rows, num_cols = shape
-    groups = (num_rows, num_cols // 32)
-    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, _BLOCK_BYTES[type_name])
-    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]      # [num_blocks]
-    if type_name == "Q8_0":
-        qs = blocks[:, 2:].copy().view(np.int8).reshape(num_rows, num_cols)      # [N, K]
-        offset, bits = np.zeros_like(d), 8
-    else:
-        qs = blocks[:, -16:].reshape(num_rows, num_cols // 2).copy()              # [N, K/2]
-        offset = (-8.0 * d if type_name == "Q4_0"
-                  else blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0])
-        bits = 4
-    return GGUFBlockWeight(torch.from_numpy(qs), torch.from_numpy(d.reshape(groups)),
-                           torch.from_numpy(offset.reshape(groups)), bits)
+    blocks = np.array(data, dtype=np.uint8, copy=True).reshape(
+        num_rows, num_cols // 32 * _BLOCK_BYTES[type_name])
+    return GGUFBlockWeight(torch.from_numpy(blocks), type_name)
 
 
 # --- tokenizer --------------------------------------------------------------------------

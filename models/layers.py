@@ -66,12 +66,10 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, sum(shard_sizes)
         self.shard_sizes = shard_sizes
         self._pending: dict[int, GGUFBlockWeight] = {}
-        self.bits = 0                                   # 4 or 8 once packed
+        self.type_name = ""                             # "Q4_0" / "Q4_1" / "Q8_0" once packed
         self.kernel = ""                                # "rung" or "torch_int4" once packed
-        # rung's kernel: the GGUFBlockWeight fields; torch's: (packed, scales_and_zeros)
-        self.register_buffer("qs", None)                # [out, in // 2] uint8 or [out, in] int8
-        self.register_buffer("scale", None)             # [out, in // 32] fp32
-        self.register_buffer("offset", None)            # [out, in // 32] fp32
+        # rung's kernel: the file's blocks; torch's: (packed, scales_and_zeros)
+        self.register_buffer("blocks", None)            # [out, in // 32 * block bytes] uint8
         self.register_buffer("packed", None)            # torch's int4 layout
         self.register_buffer("scales_and_zeros", None)  # [in // 32, out, 2] bf16
 
@@ -90,28 +88,30 @@ class QuantLinear(nn.Module):
                              f"the layer expects {want}")
         self._pending[index] = weight
 
-    def pack(self, device: torch.device) -> None:
+    def pack(self, device: torch.device, kernel: str | None = None) -> None:
+        """Ready the weight for ``kernel`` (default: ``quant_kernel(device)``)."""
         missing = sorted(set(range(len(self.shard_sizes))) - set(self._pending))
         if missing:
             raise ValueError(f"quantized layer lacks checkpoint shards {missing}")
         weight = stack_rows([self._pending[i] for i in range(len(self.shard_sizes))])
         self._pending.clear()
-        self.bits, self.kernel = weight.bits, quant_kernel(torch.device(device))
+        self.type_name = weight.type_name
+        self.kernel = kernel or quant_kernel(torch.device(device))
         if self.kernel == "rung":
-            self.qs, self.scale, self.offset = weight.qs, weight.scale, weight.offset
+            self.blocks = weight.blocks
             return
         if weight.bits != 4:
             raise ValueError(f"torch's int4 kernel on {device} cannot run {weight.bits}-bit "
                              "blocks")
-        int4 = Int4Weight(weight.values().to(torch.uint8), weight.scale,
-                          weight.offset + 8.0 * weight.scale)     # (q - 8) s + z = s q + o
+        scale = weight.scale()
+        int4 = Int4Weight(weight.values().to(torch.uint8), scale,
+                          weight.offset() + 8.0 * scale)          # (q - 8) s + z = s q + o
         self.packed, self.scales_and_zeros = pack_int4([int4], torch.device(device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)                          # [M, in]
         if self.kernel == "rung":
-            weight = GGUFBlockWeight(self.qs, self.scale, self.offset, self.bits)
-            out = gguf_gemm(rows, weight)                               # [M, out] fp32
+            out = gguf_gemm(rows, GGUFBlockWeight(self.blocks, self.type_name))  # [M, out] fp32
         else:
             if x.dtype != ACTIVATION_DTYPE:
                 raise ValueError(f"torch's int4 kernel takes {ACTIVATION_DTYPE} "
