@@ -128,7 +128,7 @@ def gguf_gemm(x: torch.Tensor, weight: GGUFBlockWeight) -> torch.Tensor:
     """x [M, K] fp32 @ w^T -> [M, N] fp32 (eager; compiled graphs call ``rung::gguf_gemm``)."""
     code = TYPE_CODES[weight.type_name]
     if torch.compiler.is_compiling():
-        return torch.ops.rung.gguf_gemm(x, weight.blocks, code)
+        return torch.ops.rung.gguf_gemm.default(x, weight.blocks, code)
     return _gemm(x, weight.blocks, code)
 
 
@@ -144,14 +144,13 @@ def _gemm(x: torch.Tensor, blocks: torch.Tensor, code: int) -> torch.Tensor:
     return out
 
 
-@torch.library.custom_op("rung::gguf_gemm", mutates_args=())
-def _gguf_gemm_op(x: torch.Tensor, blocks: torch.Tensor, code: int) -> torch.Tensor:
-    return _gemm(x, blocks, code)
-
-
-@_gguf_gemm_op.register_fake
-def _(x, blocks, code):
-    return x.new_empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
+# NOTE: registered through torch.library.Library, not torch.library.custom_op: the latter's
+# Python wrapper costs ~50 us a call (211 calls a SmolLM2 step), the plain dispatcher ~8 us.
+_LIBRARY = torch.library.Library("rung", "FRAGMENT")
+_LIBRARY.define("gguf_gemm(Tensor x, Tensor blocks, int code) -> Tensor")
+_LIBRARY.impl("gguf_gemm", _gemm, "CPU")
+_LIBRARY.impl("gguf_gemm", lambda x, blocks, code: x.new_empty(
+    x.shape[0], blocks.shape[0], dtype=torch.float32), "Meta")
 
 
 def available() -> str | None:
