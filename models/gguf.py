@@ -321,15 +321,16 @@ BLOCK_TYPES = INT4_TYPES + ("Q8_0",)
 
 def block_weight(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> GGUFBlockWeight:
     """Raw Q4_0 / Q4_1 / Q8_0 data of a matrix ``shape`` [N, K] -> its ``GGUFBlockWeight``:
-    the file's bytes, copied once out of the memory map (``dequantize_reference`` of it is
-    ``dequantize`` of the same data)."""
+    the file's bytes, regrouped per row out of the memory map (``dequantize_reference`` of
+    it is ``dequantize`` of the same data)."""
     if type_name not in BLOCK_TYPES or len(shape) != 2:
         raise ValueError(f"block weights come from 2-D {' / '.join(BLOCK_TYPES)} tensors, "
                          f"not a {len(shape)}-D {type_name} one")
     num_rows, num_cols = shape
-    blocks = np.array(data, dtype=np.uint8, copy=True).reshape(
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(
         num_rows, num_cols // 32 * _BLOCK_BYTES[type_name])
-    return GGUFBlockWeight(torch.from_numpy(blocks), type_name)
+    # NOTE: from_file_blocks copies (torch.cat), so the read-only memory map is never written
+    return GGUFBlockWeight.from_file_blocks(torch.from_numpy(blocks), type_name)
 
 
 # --- tokenizer --------------------------------------------------------------------------

@@ -68,8 +68,8 @@ class QuantLinear(nn.Module):
         self._pending: dict[int, GGUFBlockWeight] = {}
         self.type_name = ""                             # "Q4_0" / "Q4_1" / "Q8_0" once packed
         self.kernel = ""                                # "rung" or "torch_int4" once packed
-        # rung's kernel: the file's blocks; torch's: (packed, scales_and_zeros)
-        self.register_buffer("blocks", None)            # [out, in // 32 * block bytes] uint8
+        # rung's kernel: the file's blocks, per row; torch's: (packed, scales_and_zeros)
+        self.register_buffer("rows", None)              # [out, in // 32 * block bytes] uint8
         self.register_buffer("packed", None)            # torch's int4 layout
         self.register_buffer("scales_and_zeros", None)  # [in // 32, out, 2] bf16
 
@@ -98,7 +98,7 @@ class QuantLinear(nn.Module):
         self.type_name = weight.type_name
         self.kernel = kernel or quant_kernel(torch.device(device))
         if self.kernel == "rung":
-            self.blocks = weight.blocks
+            self.rows = weight.rows
             return
         if weight.bits != 4:
             raise ValueError(f"torch's int4 kernel on {device} cannot run {weight.bits}-bit "
@@ -111,7 +111,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)                          # [M, in]
         if self.kernel == "rung":
-            out = gguf_gemm(rows, GGUFBlockWeight(self.blocks, self.type_name))  # [M, out] fp32
+            out = gguf_gemm(rows, GGUFBlockWeight(self.rows, self.type_name))  # [M, out] fp32
         else:
             if x.dtype != ACTIVATION_DTYPE:
                 raise ValueError(f"torch's int4 kernel takes {ACTIVATION_DTYPE} "

@@ -1,24 +1,27 @@
 /* GGUF block-quantized weights times fp32 activations on x86 CPUs (AVX2, FMA, F16C).
  *
- * A weight [N, K] stays in the file's own blocks of 32 weights along K, as llama.cpp
- * reads them (one sequential stream per row):
+ * A weight [N, K] holds a GGUF file's blocks of 32 weights along K, bytes as the file
+ * has them, regrouped per row (same size as the file):
  *
- *     Q4_0  18 bytes: f16 d,          16 bytes of nibbles   w = d q - 8 d
- *     Q4_1  20 bytes: f16 d, f16 m,   16 bytes of nibbles   w = d q + m
- *     Q8_0  34 bytes: f16 d,          32 int8               w = d q
+ *     row n = [ values of its G = K / 32 blocks | G f16 scales d | G f16 minimums m ]
  *
- * (byte j of the nibbles holds weight j in its low half and weight j + 16 in its high
- * half). Like llama.cpp, each 32-group of an activation row is first rounded to int8 with
- * its own scale (dx = max|x| / 127, xq = round(x / dx)), so a group's dot product is one
- * integer dot:
+ *     Q4_0  16 bytes of nibbles a block, d         w = d q - 8 d
+ *     Q4_1  16 bytes of nibbles a block, d, m      w = d q + m
+ *     Q8_0  32 int8 a block, d                     w = d q
+ *
+ * (byte j of a block's nibbles holds weight j in its low half and weight j + 16 in its
+ * high half). Like llama.cpp, each 32-group of an activation row is first rounded to
+ * int8 with its own scale (dx = max|x| / 127, xq = round(x / dx)), so a group's dot
+ * product is one integer dot:
  *
  *     sum_k w x  ~=  d dx sum_k q xq  +  z sum_k x        (z = -8 d, m or 0)
  *
  * (the second sum over the exact fp32 x). gguf_gemm_reference in kernels/gguf_cpu.py is
- * this formula in torch, the tests' oracle.
+ * this formula in torch, the tests' oracle. Per weight row the scales d dx and the z
+ * term are computed 8 groups at a time first, so the block loop is integer dots and one
+ * fma a block.
  *
- * x [M, K] fp32 and out [M, N] fp32 are row-major and contiguous; blocks is [N, K / 32]
- * blocks, row-major.
+ * x [M, K] fp32 and out [M, N] fp32 are row-major and contiguous.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -27,8 +30,10 @@
 #include <string.h>
 
 #define QK 32
+#define MAX_TILE 4
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };         /* kernels/gguf_cpu.py TYPE_CODES */
 
+static inline int value_bytes(int type) { return type == Q8_0 ? 32 : 16; }
 static inline int block_bytes(int type) { return type == Q4_1 ? 20 : type == Q8_0 ? 34 : 18; }
 
 static inline float hsum(__m256 v) {
@@ -38,11 +43,7 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static inline float f16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
+static inline float f16(const uint16_t *p) { return _cvtsh_ss(*p); }
 
 /* x [M, K] -> xq [M, K] int8, dx [M, G], xsum [M, G]: the rounding the header states. */
 void gguf_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *dx,
@@ -64,11 +65,11 @@ void gguf_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float 
     }
 }
 
-/* The 32 weights of a block as bytes in k order (4 bits: 0..15; 8 bits: signed). */
-static inline __m256i block_values(const uint8_t *blk, int type) {
+/* The 32 weights of block g as bytes in k order (4 bits: 0..15; 8 bits: signed). */
+static inline __m256i block_values(const uint8_t *values, int64_t g, int type) {
     if (type == Q8_0)
-        return _mm256_loadu_si256((const __m256i *)(blk + 2));
-    const __m128i b = _mm_loadu_si128((const __m128i *)(blk + (type == Q4_1 ? 4 : 2)));
+        return _mm256_loadu_si256((const __m256i *)(values + g * 32));
+    const __m128i b = _mm_loadu_si128((const __m128i *)(values + g * 16));
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b),
                             _mm256_set1_epi8(0x0F));
 }
@@ -84,48 +85,76 @@ static inline __m256 block_dot(__m256i w, __m256i xq, int type) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
+/* For one weight row and one activation row: dd[g] = d[g] dx[g] for every block, and the
+ * z term sum_g z[g] xsum[g]; 8 blocks a step. */
+static inline float row_scales(const uint16_t *d, const uint16_t *m, const float *dx,
+                               const float *xsum, int64_t G, int type, float *dd) {
+    __m256 zacc = _mm256_setzero_ps();
+    float zsum = 0.0f;
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) {
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + g)));
+        _mm256_storeu_ps(dd + g, _mm256_mul_ps(dv, _mm256_loadu_ps(dx + g)));
+        if (type != Q8_0) {
+            const __m256 zv = type == Q4_1
+                ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + g)))
+                : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
+            zacc = _mm256_fmadd_ps(zv, _mm256_loadu_ps(xsum + g), zacc);
+        }
+    }
+    for (; g < G; ++g) {
+        dd[g] = f16(d + g) * dx[g];
+        if (type != Q8_0)
+            zsum += (type == Q4_1 ? f16(m + g) : -8.0f * f16(d + g)) * xsum[g];
+    }
+    return type == Q8_0 ? 0.0f : hsum(zacc) + zsum;
+}
+
 /* NB weight rows x MB activation rows at once: NB * MB accumulators, each block loaded
- * once for all MB rows. Constant NB / MB / type after inlining keep them in registers. */
+ * once for all MB rows. Constant NB / MB / type after inlining keep them in registers.
+ * dd: scratch [MAX_TILE * MAX_TILE * G] floats. */
 static inline __attribute__((always_inline)) void tile(
         int NB, int MB, int type, const int8_t *xq, const float *dx, const float *xsum,
-        int64_t K, const uint8_t *blocks, int64_t N, int64_t n0, int64_t m0, float *out) {
+        int64_t K, const uint8_t *weight, int64_t N, int64_t n0, int64_t m0, float *dd,
+        float *out) {
     const int64_t G = K / QK, row_bytes = G * block_bytes(type);
-    __m256 acc[4][4];
-    float zacc[4][4];
-    for (int i = 0; i < NB; ++i)
+    const uint8_t *values[MAX_TILE];
+    float zterm[MAX_TILE][MAX_TILE];
+    __m256 acc[MAX_TILE][MAX_TILE];
+    for (int i = 0; i < NB; ++i) {
+        const uint8_t *row = weight + (n0 + i) * row_bytes;
+        const uint16_t *d = (const uint16_t *)(row + G * value_bytes(type));
+        values[i] = row;
         for (int j = 0; j < MB; ++j) {
+            const int64_t r = (m0 + j) * G;
+            zterm[i][j] = row_scales(d, d + G, dx + r, xsum + r, G, type,
+                                     dd + (i * MAX_TILE + j) * G);
             acc[i][j] = _mm256_setzero_ps();
-            zacc[i][j] = 0.0f;
         }
+    }
     for (int64_t g = 0; g < G; ++g) {
-        __m256i xg[4];
+        __m256i xg[MAX_TILE];
         for (int j = 0; j < MB; ++j)
             xg[j] = _mm256_loadu_si256((const __m256i *)(xq + (m0 + j) * K + g * QK));
         for (int i = 0; i < NB; ++i) {
-            const uint8_t *blk = blocks + (n0 + i) * row_bytes + g * block_bytes(type);
-            const __m256i w = block_values(blk, type);
-            const float d = f16(blk);
-            const float z = type == Q4_1 ? f16(blk + 2) : type == Q4_0 ? -8.0f * d : 0.0f;
-            for (int j = 0; j < MB; ++j) {
-                const int64_t r = (m0 + j) * G + g;
+            const __m256i w = block_values(values[i], g, type);
+            for (int j = 0; j < MB; ++j)
                 acc[i][j] = _mm256_fmadd_ps(block_dot(w, xg[j], type),
-                                            _mm256_set1_ps(d * dx[r]), acc[i][j]);
-                if (type != Q8_0)
-                    zacc[i][j] += z * xsum[r];
-            }
+                                            _mm256_broadcast_ss(dd + (i * MAX_TILE + j) * G + g),
+                                            acc[i][j]);
         }
     }
     for (int i = 0; i < NB; ++i)
         for (int j = 0; j < MB; ++j)
-            out[(m0 + j) * N + n0 + i] = hsum(acc[i][j]) + zacc[i][j];
+            out[(m0 + j) * N + n0 + i] = hsum(acc[i][j]) + zterm[i][j];
 }
 
-#define TILE(NB, MB) tile(NB, MB, TYPE, xq, dx, xsum, K, blocks, N, n, m0, out)
+#define TILE(NB, MB) tile(NB, MB, TYPE, xq, dx, xsum, K, weight, N, n, m0, dd, out)
 
 /* every (type, MB) pair its own copy, so the inner loops carry no branch */
 static inline __attribute__((always_inline)) void rows_tile(
         const int TYPE, int MB, const int8_t *xq, const float *dx, const float *xsum,
-        int64_t K, const uint8_t *blocks, int64_t N, int64_t m0, float *out) {
+        int64_t K, const uint8_t *weight, int64_t N, int64_t m0, float *dd, float *out) {
     int64_t n = 0;
     if (MB == 1) {      /* one row: four weight rows at once hide the fma latency */
         for (; n + 4 <= N; n += 4) TILE(4, 1);
@@ -144,30 +173,30 @@ static inline __attribute__((always_inline)) void rows_tile(
 
 /* out [M, N] = x [M, K] @ w^T; 0 on success, -1 when scratch memory is short, -2 for an
  * unknown type. */
-int gguf_gemm(const float *x, int64_t M, int64_t K, const uint8_t *blocks, int64_t N,
+int gguf_gemm(const float *x, int64_t M, int64_t K, const uint8_t *weight, int64_t N,
               int type, float *out) {
     if (type != Q4_0 && type != Q4_1 && type != Q8_0)
         return -2;
     const int64_t G = K / QK;
     int8_t *xq = malloc((size_t)(M * K));
-    float *dx = malloc(sizeof(float) * (size_t)(2 * M * G));
-    if (xq == NULL || dx == NULL) {
+    float *scratch = malloc(sizeof(float) * (size_t)(2 * M * G + MAX_TILE * MAX_TILE * G));
+    if (xq == NULL || scratch == NULL) {
         free(xq);
-        free(dx);
+        free(scratch);
         return -1;
     }
-    float *xsum = dx + M * G;
+    float *dx = scratch, *xsum = scratch + M * G, *dd = scratch + 2 * M * G;
     gguf_quantize_rows(x, M, K, xq, dx, xsum);
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int MB = M - m0 < 4 ? (int)(M - m0) : 4;
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_TILE) {
+        const int MB = M - m0 < MAX_TILE ? (int)(M - m0) : MAX_TILE;
         if (type == Q4_0)
-            rows_tile(Q4_0, MB, xq, dx, xsum, K, blocks, N, m0, out);
+            rows_tile(Q4_0, MB, xq, dx, xsum, K, weight, N, m0, dd, out);
         else if (type == Q4_1)
-            rows_tile(Q4_1, MB, xq, dx, xsum, K, blocks, N, m0, out);
+            rows_tile(Q4_1, MB, xq, dx, xsum, K, weight, N, m0, dd, out);
         else
-            rows_tile(Q8_0, MB, xq, dx, xsum, K, blocks, N, m0, out);
+            rows_tile(Q8_0, MB, xq, dx, xsum, K, weight, N, m0, dd, out);
     }
     free(xq);
-    free(dx);
+    free(scratch);
     return 0;
 }
