@@ -5,8 +5,8 @@ On the quickstart's three chat prompts (same prompt ids for every model), greedy
 ``--max-tokens`` tokens from rung ``quantization="gguf"``, rung dequantized fp32 and
 llama.cpp (when installed). Then the fp32 model scores the quantized model's tokens
 (teacher forcing, ``prompt_logprobs``), so each token's logprob under both models can be
-compared: the largest and mean absolute difference, and the smallest fp32 margin of the
-tokens where the two models' greedy choices part.
+compared (the largest and mean absolute difference); llama.cpp's own tokens are scored
+the same way, so its deviation from fp32 on the same file is the yardstick.
 
     OMP_NUM_THREADS=1 python -m rung.bench.gguf_quality --model smollm2-135m
 """
@@ -33,7 +33,7 @@ def _llm(model: str, quantization: str | None) -> LLM:
 
 def _greedy(llm: LLM, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
     """Greedy tokens and their own logprobs."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0)
     out = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0].outputs[0]
     return list(out.token_ids), [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
 
@@ -44,6 +44,32 @@ def _scored(llm: LLM, prompt_ids: list[int], tokens: list[int]) -> list[float]:
     out = llm.generate([{"prompt_token_ids": prompt_ids + tokens}], params, use_tqdm=False)[0]
     scored = out.prompt_logprobs[len(prompt_ids):]
     return [lp[t].logprob for lp, t in zip(scored, tokens)]
+
+
+def _llamacpp_greedy(lcpp, prompt_ids: list[int],
+                     max_tokens: int) -> tuple[list[int], list[float]]:
+    """llama.cpp's greedy tokens on one sequence and its own logprobs of them."""
+    import numpy as np
+
+    lc = lcpp.lc
+    lc.llama_memory_clear(lc.llama_get_memory(lcpp.ctx), True)
+    rows = [(t, pos, 0) for pos, t in enumerate(prompt_ids)]
+    tokens, logprobs = [], []
+    for _ in range(max_tokens):
+        lcpp._decode(rows)
+        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(lcpp.ctx, len(rows) - 1),
+                                       shape=(lcpp.vocab_size,)).astype(np.float64)
+        token = int(logits.argmax())
+        logprobs.append(float(logits[token] - logits.max()
+                              - np.log(np.exp(logits - logits.max()).sum())))
+        tokens.append(token)
+        rows = [(token, len(prompt_ids) + len(tokens) - 1, 0)]
+    return tokens, logprobs
+
+
+def _diff(own: list[float], scored: list[float]) -> str:
+    diffs = [abs(a - b) for a, b in zip(own, scored)]
+    return f"max {max(diffs):.4f}, mean {sum(diffs) / len(diffs):.4f}"
 
 
 def main() -> None:
@@ -67,17 +93,18 @@ def main() -> None:
         q_tokens, q_logprobs = _greedy(quant, ids, args.max_tokens)
         f_tokens, _ = _greedy(fp32, ids, args.max_tokens)
         f_scores = _scored(fp32, ids, q_tokens)
-        diffs = [abs(a - b) for a, b in zip(q_logprobs, f_scores)]
         print(f"--- {prompt!r}")
         print(f"  rung gguf : {tokenizer.decode(q_tokens)!r}")
         print(f"  rung fp32 : {tokenizer.decode(f_tokens)!r}  "
               f"(same tokens: {q_tokens == f_tokens})")
+        print(f"  |logprob rung gguf - rung fp32| over rung gguf's tokens: "
+              f"{_diff(q_logprobs, f_scores)}")
         if lcpp is not None:
-            l_tokens = lcpp.generate_round([ids], args.max_tokens).token_ids[0]
+            l_tokens, l_logprobs = _llamacpp_greedy(lcpp, ids, args.max_tokens)
             print(f"  llama.cpp : {tokenizer.decode(l_tokens)!r}  "
                   f"(same tokens as rung gguf: {l_tokens == q_tokens})")
-        print(f"  |logprob gguf - fp32| over gguf's tokens: max {max(diffs):.4f}, "
-              f"mean {sum(diffs) / len(diffs):.4f}")
+            print(f"  |logprob llama.cpp - rung fp32| over llama.cpp's tokens: "
+                  f"{_diff(l_logprobs, _scored(fp32, ids, l_tokens))}")
 
 
 if __name__ == "__main__":

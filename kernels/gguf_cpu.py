@@ -2,14 +2,15 @@
 
 torch's CPU int4 kernel (``aten::_weight_int4pack_mm_for_cpu``) converts every weight to
 float before its FMA, and on AVX2 it is compute-bound (``bench/gemv_bandwidth.py``).
-``csrc/gguf_gemm.c`` does what llama.cpp does: each 32-group of an
-activation row is rounded to int8 with its own scale, and a group's dot product with the
-weight's 4- or 8-bit values is one integer ``maddubs`` (32 weights an instruction), scaled
-in fp32. The weight keeps the file's block bytes (``GGUFBlockWeight``: Q4_0, Q4_1, Q8_0),
-regrouped per row (values, then scales) so the kernel can convert 8 scales at once;
-nothing is rounded or unpacked at load, and the kernel reads as many bytes as llama.cpp.
-The activation rounding is the kernel's only approximation, and ``gguf_gemm_reference``
-(torch, fp64) is the same formula, the tests' oracle.
+``csrc/gguf_gemm.c`` does what llama.cpp does: each 32-group of an activation row is
+rounded to int8 with its own scale, and a group's dot product with the weight's 4- or
+8-bit values is one integer ``maddubs`` (32 weights an instruction), scaled in fp32: the
+result is the exact weight times the rounded activations. The weight keeps the file's
+block bytes (``GGUFBlockWeight``: Q4_0, Q4_1, Q8_0), regrouped per row (values, then
+scales) so the kernel converts 8 scales at once; nothing is rounded or unpacked at load,
+and the kernel reads as many bytes as llama.cpp. The activation rounding is the kernel's
+only approximation, and ``gguf_gemm_reference`` (torch, fp64) is the same formula, the
+tests' oracle.
 
 The C source is compiled once per machine with the system C compiler (the one inductor
 uses) into ``$RUNG_CACHE_DIR/kernels`` and called through ctypes; inside compiled graphs
@@ -133,14 +134,11 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def gguf_gemm_reference(x: torch.Tensor, weight: GGUFBlockWeight) -> torch.Tensor:
-    """x [M, K] @ w^T -> [M, N] fp32 by the kernel's formula, summed in fp64."""
+    """x [M, K] @ w^T -> [M, N] fp32 by the kernel's formula: the int8-rounded x (dx * xq)
+    times the exact weight, in fp64."""
     xq, dx = quantize_rows_reference(x)                                   # [M, G, 32], [M, G]
-    xsum = x.double().reshape(xq.shape).sum(-1)                           # [M, G]
-    num_rows, num_cols = weight.shape
-    q = weight.values().double().reshape(num_rows, num_cols // GROUP_SIZE, GROUP_SIZE)
-    dots = torch.einsum("mgk,ngk->mng", xq.double(), q)                   # [M, N, G]
-    scaled = dots * weight.scale().double()[None] * dx.double()[:, None]  # [M, N, G]
-    return (scaled.sum(-1) + xsum @ weight.offset().double().t()).float()
+    rounded = (xq.double() * dx.double()[..., None]).reshape(x.shape)     # [M, K]
+    return (rounded @ dequantize_reference(weight).double().t()).float()
 
 
 def gguf_gemm(x: torch.Tensor, weight: GGUFBlockWeight) -> torch.Tensor:

@@ -327,9 +327,9 @@ def block_weight(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> GG
         raise ValueError(f"block weights come from 2-D {' / '.join(BLOCK_TYPES)} tensors, "
                          f"not a {len(shape)}-D {type_name} one")
     num_rows, num_cols = shape
-    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(
+    # NOTE: a writable copy: torch refuses to wrap the read-only memory map silently
+    blocks = np.array(data, dtype=np.uint8, copy=True).reshape(
         num_rows, num_cols // 32 * _BLOCK_BYTES[type_name])
-    # NOTE: from_file_blocks copies (torch.cat), so the read-only memory map is never written
     return GGUFBlockWeight.from_file_blocks(torch.from_numpy(blocks), type_name)
 
 

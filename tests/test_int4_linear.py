@@ -73,7 +73,8 @@ def test_cpu_kernel_matches_its_reference(type_name, num_rows):
 def test_reference_is_the_dequantized_matmul_up_to_activation_rounding(type_name):
     """The int8 rounding of activations (llama.cpp's Q8 scheme) is the one approximation:
     each x moves by at most max|x| / 254 of its group, so an output moves by at most that
-    times sum|w| of a row; here the bound holds and is under 1% of the output scale."""
+    times sum|w| of a row (the weights are exact); here the bound holds and the error is
+    under 1% of the output scale."""
     weight = _random_blocks(48, 256, type_name, seed=3)
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4))
     w = dequantize_reference(weight).double()                          # [48, 256]

@@ -14,9 +14,12 @@
  * int8 with its own scale (dx = max|x| / 127, xq = round(x / dx)), so a group's dot
  * product is one integer dot:
  *
- *     sum_k w x  ~=  d dx sum_k q xq  +  z sum_k x        (z = -8 d, m or 0)
+ *     sum_k w (dx xq)  =  d dx sum_k q xq  +  z dx sum_k xq       (z = -8 d, m or 0)
  *
- * (the second sum over the exact fp32 x). gguf_gemm_reference in kernels/gguf_cpu.py is
+ * NOTE: the z term sums the rounded x too, so the result is exactly w . x~ (x~ = dx xq)
+ * and its error sum_k w (x - x~) is weighted by the centred w; with the exact sum of x it
+ * would be weighted by d q (0..15 d, never centred), about twice the error on SmolLM2.
+ * gguf_gemm_reference in kernels/gguf_cpu.py is
  * this formula in torch, the tests' oracle. Per weight row the scales d dx and the z
  * term are computed 8 groups at a time first, so the block loop is integer dots and one
  * fma a block.
@@ -45,23 +48,24 @@ static inline float hsum(__m256 v) {
 
 static inline float f16(const uint16_t *p) { return _cvtsh_ss(*p); }
 
-/* x [M, K] -> xq [M, K] int8, dx [M, G], xsum [M, G]: the rounding the header states. */
+/* x [M, K] -> xq [M, K] int8, dx [M, G], xsum = dx sum(xq) [M, G]: the header's rounding. */
 void gguf_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *dx,
                         float *xsum) {
     const int64_t G = K / QK;
     for (int64_t r = 0; r < M * G; ++r) {
         const float *xb = x + r * QK;
-        float amax = 0.0f, sum = 0.0f;
-        for (int i = 0; i < QK; ++i) {
+        float amax = 0.0f;
+        for (int i = 0; i < QK; ++i)
             amax = fmaxf(amax, fabsf(xb[i]));
-            sum += xb[i];
-        }
         const float d = amax / 127.0f;
         const float id = d > 0.0f ? 1.0f / d : 0.0f;
-        for (int i = 0; i < QK; ++i)
+        int sum = 0;
+        for (int i = 0; i < QK; ++i) {
             xq[r * QK + i] = (int8_t)nearbyintf(xb[i] * id);
+            sum += xq[r * QK + i];
+        }
         dx[r] = d;
-        xsum[r] = sum;
+        xsum[r] = d * (float)sum;
     }
 }
 
