@@ -48,10 +48,12 @@ def _scored(llm: LLM, prompt_ids: list[int], tokens: list[int]) -> list[float]:
 
 def _llamacpp_greedy(lcpp, prompt_ids: list[int],
                      max_tokens: int) -> tuple[list[int], list[float]]:
-    """llama.cpp's greedy tokens on one sequence and its own logprobs of them."""
+    """llama.cpp's greedy tokens on one sequence (up to its end-of-generation token, as
+    rung stops at EOS) and its own logprobs of them."""
     import numpy as np
 
     lc = lcpp.lc
+    vocab = lc.llama_model_get_vocab(lcpp.model)
     lc.llama_memory_clear(lc.llama_get_memory(lcpp.ctx), True)
     rows = [(t, pos, 0) for pos, t in enumerate(prompt_ids)]
     tokens, logprobs = [], []
@@ -63,6 +65,8 @@ def _llamacpp_greedy(lcpp, prompt_ids: list[int],
         logprobs.append(float(logits[token] - logits.max()
                               - np.log(np.exp(logits - logits.max()).sum())))
         tokens.append(token)
+        if lc.llama_vocab_is_eog(vocab, token):
+            break
         rows = [(token, len(prompt_ids) + len(tokens) - 1, 0)]
     return tokens, logprobs
 
