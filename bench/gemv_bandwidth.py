@@ -12,6 +12,7 @@ one thread, next to the read bandwidth (``sum`` over as many bytes as the weight
 - ``head/8``      ``x @ Wt`` with the 49152-row head split into 8 column chunks;
 - ``gguf Q4_1+Q8_0``  rung's GGUF CPU kernel on the same shapes in SmolLM2's file types
                   (Q4_1 layers, Q8_0 head), bytes counted as stored;
+- ``gguf Q4_1 (layers)``  the same without the head;
 - ``torch int4``  torch's ``_weight_int4pack_mm_for_cpu`` on the layers (bf16 x), bytes
                   as packed (4-bit values, bf16 scale and zero per group).
 
@@ -76,6 +77,9 @@ def _quantized_variants(shapes: list[tuple[int, int]], xs: dict[int, torch.Tenso
         variants["gguf Q4_1+Q8_0"] = (lambda: [gguf_cpu.gguf_gemm(xs[b.shape[1]], b)
                                                for b in blocks],
                                       sum(b.rows.numel() for b in blocks))
+        variants["gguf Q4_1 (layers)"] = (lambda: [gguf_cpu.gguf_gemm(xs[b.shape[1]], b)
+                                                   for b in blocks[:-1]],
+                                          sum(b.rows.numel() for b in blocks[:-1]))
     layers = shapes[:-1]
     packed = [int4.pack_int4([int4.Int4Weight(
         torch.randint(0, 16, s, generator=gen, dtype=torch.uint8),
