@@ -1,5 +1,6 @@
-"""Start-up of a GGUF file served int4 against today's dequantizing load, interleaved
-(A B A B ...) in one process; each load parses the file anew.
+"""Start-up of a GGUF file served quantized (its Q4_0 / Q4_1 / Q8_0 blocks kept as they are)
+against the dequantizing load, interleaved (A B A B ...) in one process; each load parses
+the file anew. Both in fp32 activations, rung's CPU default for either.
 
     OMP_NUM_THREADS=1 python -m rung.bench.gguf_startup --model smollm2-135m --rounds 3
 """
@@ -14,7 +15,7 @@ import torch
 
 from rung.models import loader
 
-VARIANTS = {"int4 (quantization=gguf, bf16)": (torch.bfloat16, "gguf"),
+VARIANTS = {"quantized (quantization=gguf)": (torch.float32, "gguf"),
             "dequantized (fp32)": (torch.float32, None)}
 
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from rung.kernels.int4 import Int4Weight
+from rung.kernels.gguf_cpu import GGUFBlockWeight
 
 logger = logging.getLogger(__name__)
 
@@ -181,10 +181,12 @@ class GGUFModel:
         return {self._hf_name(t.name): t.tensor_type.name for t in self.reader.tensors
                 if not (self.arch == "gemma4" and t.name == "rope_freqs.weight")}
 
-    def weights(self, int4_names: frozenset[str] = frozenset()
-                ) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
-        """(HF name, tensor in HF layout) for every tensor of the file: an ``Int4Weight``
-        for the Q4_0 / Q4_1 tensors named in ``int4_names``, fp32 for every other."""
+    def weights(self, block_names: frozenset[str] = frozenset()
+                ) -> Iterator[tuple[str, torch.Tensor | GGUFBlockWeight]]:
+        """(HF name, tensor in HF layout) for every tensor of the file: a
+        ``GGUFBlockWeight`` for the block-quantized tensors named in ``block_names``, fp32
+        for every other. A tied head named there ("lm_head.weight", absent from the file)
+        comes as the blocks of the embedding, which also comes in fp32 for its gather."""
         for t in self.reader.tensors:
             if self.arch == "gemma4" and t.name == "rope_freqs.weight":
                 continue            # NOTE: read into the config as the partial rotary factor
@@ -193,8 +195,11 @@ class GGUFModel:
             data = t.data
             if self.arch in _PERMUTED_QK_ARCHS:
                 data = self._unpermute_qk(name, data)
-            if name in int4_names:
-                yield name, int4_weight(data, t.tensor_type.name, shape)
+            if name == "model.embed_tokens.weight" and "lm_head.weight" in block_names \
+                    and self.config.get("tie_word_embeddings"):
+                yield "lm_head.weight", block_weight(data, t.tensor_type.name, shape)
+            if name in block_names:
+                yield name, block_weight(data, t.tensor_type.name, shape)
                 continue
             array = np.ascontiguousarray(dequantize(data, t.tensor_type.name, shape),
                                          dtype=np.float32)
@@ -308,29 +313,24 @@ def dequantize_numpy(data: np.ndarray, type_name: str) -> np.ndarray:
     return (d * q + m).reshape(-1)
 
 
-# Types whose blocks are the int4 kernel's groups as they are (Q4_0: zero 0; Q4_1: zero
-# m + 8 d, since d * q + m = d * (q - 8) + (m + 8 d)).
+# Types that stay in their blocks under quantization="gguf" (``GGUFBlockWeight``): the
+# 4-bit ones on every kernel, Q8_0 on rung's CPU kernel.
 INT4_TYPES = ("Q4_0", "Q4_1")
+BLOCK_TYPES = INT4_TYPES + ("Q8_0",)
 
 
-def int4_weight(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Int4Weight:
-    """Raw Q4_0 / Q4_1 data of a matrix ``shape`` [N, K] -> its ``Int4Weight``, losslessly
-    (``int4_reference`` of it is ``dequantize`` of the same data)."""
-    if type_name not in INT4_TYPES or len(shape) != 2:
-        raise ValueError(f"int4 weights come from 2-D {' / '.join(INT4_TYPES)} tensors, "
+def block_weight(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> GGUFBlockWeight:
+    """Raw Q4_0 / Q4_1 / Q8_0 data of a matrix ``shape`` [N, K] -> its ``GGUFBlockWeight``:
+    the file's bytes, regrouped per row out of the memory map (``dequantize_reference`` of
+    it is ``dequantize`` of the same data)."""
+    if type_name not in BLOCK_TYPES or len(shape) != 2:
+        raise ValueError(f"block weights come from 2-D {' / '.join(BLOCK_TYPES)} tensors, "
                          f"not a {len(shape)}-D {type_name} one")
     num_rows, num_cols = shape
-    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, _BLOCK_BYTES[type_name])
-    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]      # [num_blocks]
-    packed = blocks[:, -16:]                                                 # [nb, 16]
-    q = np.concatenate([packed & 0x0F, packed >> 4], axis=1)                 # [nb, 32]
-    if type_name == "Q4_0":
-        zero = np.zeros_like(d)
-    else:
-        zero = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0] + 8.0 * d
-    groups = (num_rows, num_cols // 32)
-    return Int4Weight(torch.from_numpy(q.reshape(num_rows, num_cols)),
-                      torch.from_numpy(d.reshape(groups)), torch.from_numpy(zero.reshape(groups)))
+    # NOTE: a writable copy: torch refuses to wrap the read-only memory map silently
+    blocks = np.array(data, dtype=np.uint8, copy=True).reshape(
+        num_rows, num_cols // 32 * _BLOCK_BYTES[type_name])
+    return GGUFBlockWeight.from_file_blocks(torch.from_numpy(blocks), type_name)
 
 
 # --- tokenizer --------------------------------------------------------------------------

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from rung.kernels.gguf_cpu import GGUFBlockWeight, gguf_gemm, stack_rows
+from rung.kernels.gguf_cpu import available as gguf_cpu_available
 from rung.kernels.int4 import ACTIVATION_DTYPE, Int4Weight, int4_mm, pack_int4
 
 
@@ -47,61 +49,90 @@ class MergedLinear(nn.Linear):
         param.data[start:start + size].copy_(loaded)
 
 
-class Int4Linear(nn.Module):
-    """A linear layer (no bias) whose weight stays int4, run by torch's int4 kernel.
+class QuantLinear(nn.Module):
+    """A linear layer (no bias) whose weight stays in a GGUF file's blocks.
 
-    Stands in for ``nn.Linear`` / ``MergedLinear`` when a checkpoint holds the weight in
-    int4 groups (GGUF Q4_0 / Q4_1): each shard arrives as an ``Int4Weight`` through
-    ``load_int4``, and ``pack`` turns the whole [out, in] weight into the device kernel's
-    layout once every shard is in. No dequantized copy is ever made.
+    Stands in for ``nn.Linear`` / ``MergedLinear`` when a checkpoint holds the weight as
+    Q4_0 / Q4_1 / Q8_0 blocks: each shard arrives as a ``GGUFBlockWeight`` through
+    ``load_quantized``, and ``pack`` readies the whole [out, in] weight for the device's
+    kernel once every shard is in. On an AVX2 CPU that is rung's own kernel
+    (``kernels/gguf_cpu.py``: the blocks as they are, fp32 activations in and out);
+    elsewhere torch's int4 kernel (4-bit blocks only, bfloat16 activations). No
+    dequantized copy is ever made.
     """
 
     def __init__(self, in_features: int, shard_sizes: list[int]) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, sum(shard_sizes)
         self.shard_sizes = shard_sizes
-        self._pending: dict[int, Int4Weight] = {}
-        self.register_buffer("packed", None)             # the kernel's layout, uint8
-        self.register_buffer("scales_and_zeros", None)   # [in // 32, out, 2] bf16
+        self._pending: dict[int, GGUFBlockWeight] = {}
+        self.type_name = ""                             # "Q4_0" / "Q4_1" / "Q8_0" once packed
+        self.kernel = ""                                # "rung" or "torch_int4" once packed
+        # rung's kernel: the file's blocks, per row; torch's: (packed, scales_and_zeros)
+        self.register_buffer("rows", None)              # [out, in // 32 * block bytes] uint8
+        self.register_buffer("packed", None)            # torch's int4 layout
+        self.register_buffer("scales_and_zeros", None)  # [in // 32, out, 2] bf16
 
     @classmethod
-    def replacing(cls, linear: nn.Linear) -> Int4Linear:
+    def replacing(cls, linear: nn.Linear) -> QuantLinear:
         if linear.bias is not None:
-            raise ValueError("Int4Linear replaces linear layers without bias only")
+            raise ValueError("QuantLinear replaces linear layers without bias only")
         sizes = getattr(linear, "shard_sizes", [linear.out_features])
         return cls(linear.in_features, list(sizes))
 
-    def load_int4(self, weight: Int4Weight, shard: int | None) -> None:
+    def load_quantized(self, weight: GGUFBlockWeight, shard: int | None) -> None:
         index = 0 if shard is None else shard
         want = (self.shard_sizes[index], self.in_features)
         if weight.shape != want:
-            raise ValueError(f"int4 checkpoint shard {index} has shape {weight.shape}, the "
-                             f"layer expects {want}")
+            raise ValueError(f"quantized checkpoint shard {index} has shape {weight.shape}, "
+                             f"the layer expects {want}")
         self._pending[index] = weight
 
-    def pack(self, device: torch.device) -> None:
+    def pack(self, device: torch.device, kernel: str | None = None) -> None:
+        """Ready the weight for ``kernel`` (default: ``quant_kernel(device)``)."""
         missing = sorted(set(range(len(self.shard_sizes))) - set(self._pending))
         if missing:
-            raise ValueError(f"int4 layer lacks checkpoint shards {missing}")
-        shards = [self._pending[i] for i in range(len(self.shard_sizes))]
-        self.packed, self.scales_and_zeros = pack_int4(shards, torch.device(device))
+            raise ValueError(f"quantized layer lacks checkpoint shards {missing}")
+        weight = stack_rows([self._pending[i] for i in range(len(self.shard_sizes))])
         self._pending.clear()
+        self.type_name = weight.type_name
+        self.kernel = kernel or quant_kernel(torch.device(device))
+        if self.kernel == "rung":
+            self.rows = weight.rows
+            return
+        if weight.bits != 4:
+            raise ValueError(f"torch's int4 kernel on {device} cannot run {weight.bits}-bit "
+                             "blocks")
+        scale = weight.scale()
+        int4 = Int4Weight(weight.values().to(torch.uint8), scale,
+                          weight.offset() + 8.0 * scale)          # (q - 8) s + z = s q + o
+        self.packed, self.scales_and_zeros = pack_int4([int4], torch.device(device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != ACTIVATION_DTYPE:
-            raise ValueError(f"int4 linear layers take {ACTIVATION_DTYPE} activations, "
-                             f"got {x.dtype}")
-        rows = x.reshape(-1, self.in_features)                     # [M, in]
-        out = int4_mm(rows, self.packed, self.scales_and_zeros)    # [M, out]
-        return out.reshape(*x.shape[:-1], self.out_features)
+        rows = x.reshape(-1, self.in_features)                          # [M, in]
+        if self.kernel == "rung":
+            out = gguf_gemm(rows, GGUFBlockWeight(self.rows, self.type_name))  # [M, out] fp32
+        else:
+            if x.dtype != ACTIVATION_DTYPE:
+                raise ValueError(f"torch's int4 kernel takes {ACTIVATION_DTYPE} "
+                                 f"activations, got {x.dtype}")
+            out = int4_mm(rows, self.packed, self.scales_and_zeros)    # [M, out] bf16
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
-def use_int4_linears(model: nn.Module, names: set[str]) -> int:
-    """Replace the linear modules ``names`` of ``model`` by ``Int4Linear``; how many."""
+def quant_kernel(device: torch.device) -> str:
+    """Which kernel a ``QuantLinear`` on ``device`` runs: "rung" (kernels/gguf_cpu.py,
+    Q4_0 / Q4_1 / Q8_0, any activation dtype) or "torch_int4" (4-bit, bfloat16)."""
+    return "rung" if device.type == "cpu" and gguf_cpu_available() is None else "torch_int4"
+
+
+def use_quant_linears(model: nn.Module, names: set[str]) -> int:
+    """Replace the linear modules ``names`` of ``model`` by ``QuantLinear``; how many.
+    A tied ``lm_head`` among them is untied: the embedding keeps the float weight."""
     for name in sorted(names):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, Int4Linear.replacing(getattr(parent, child)))
+        setattr(parent, child, QuantLinear.replacing(getattr(parent, child)))
     return len(names)
 
 
@@ -112,15 +143,15 @@ def tied_head_fp32_t(model: nn.Module) -> torch.Tensor | None:
     than fp32: SmolLM2's head at 1 row 29.8 vs 28.6 ms, ``x @ W^T`` in bf16 624 ms)."""
     head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if head is None or embed is None or head.weight is not embed.weight:
+    if head is None or embed is None or getattr(head, "weight", None) is not embed.weight:
         return None
     return head.weight.detach().float().t().contiguous()
 
 
-def pack_int4_linears(model: nn.Module, device: torch.device | str) -> None:
-    """Pack every ``Int4Linear`` of ``model`` for ``device`` once its weights are loaded."""
+def pack_quant_linears(model: nn.Module, device: torch.device | str) -> None:
+    """Pack every ``QuantLinear`` of ``model`` for ``device`` once its weights are loaded."""
     for module in model.modules():
-        if isinstance(module, Int4Linear):
+        if isinstance(module, QuantLinear):
             module.pack(torch.device(device))
 
 
@@ -137,7 +168,8 @@ def pretranspose_linear_weights(model: nn.Module) -> int:
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     changed = 0
     head = getattr(model, "lm_head", None)
-    if (getattr(model, "transposed_tied_head", False) and id(head.weight) in tied
+    if (getattr(model, "transposed_tied_head", False) and isinstance(head, nn.Linear)
+            and id(head.weight) in tied
             and head.weight.numel() <= MAX_TRANSPOSED_HEAD_NUMEL
             and getattr(head, "weight_t", None) is None):
         head.register_buffer("weight_t", head.weight.detach().t().contiguous(),
@@ -163,6 +195,8 @@ MAX_TRANSPOSED_HEAD_NUMEL = 1 << 25      # the copy costs memory: 128 MiB in fp3
 def lm_head_logits(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [num_rows, hidden] -> logits [num_rows, vocab] fp32 through ``head``, or its
     W^T copy (``weight_t``, see ``pretranspose_linear_weights``) for a few rows."""
+    if isinstance(head, QuantLinear):
+        return head(hidden).float()
     weight_t = getattr(head, "weight_t", None)
     if weight_t is not None and weight_t.dtype != hidden.dtype:
         return hidden.to(weight_t.dtype) @ weight_t      # an fp32 head under int4 layers

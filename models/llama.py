@@ -92,6 +92,8 @@ class LlamaForCausalLM(nn.Module):
     # NOTE: a small tied head (SmolLM2: 49152 x 576) is worth a W^T copy on CPU; see
     # lm_head_logits
     transposed_tied_head = True
+    # NOTE: compute_logits goes through lm_head_logits, so a quantized head may replace it
+    quantizable_head = True
 
     def __init__(self, cfg: dict) -> None:
         super().__init__()

@@ -15,15 +15,16 @@ import torch
 from torch import nn
 
 from rung.kernels.int4 import ACTIVATION_DTYPE, check_packable
-from rung.models.gguf import INT4_TYPES, GGUFModel, is_gguf
+from rung.models.gguf import BLOCK_TYPES, INT4_TYPES, GGUFModel, is_gguf
 from rung.models.layers import (
     STACKED_PARAMS,
     MergedLinear,
     init_random_weights,
-    pack_int4_linears,
+    pack_quant_linears,
     pretranspose_linear_weights,
+    quant_kernel,
     tied_head_fp32_t,
-    use_int4_linears,
+    use_quant_linears,
 )
 from rung.models.presets import NAMED_FILES, PRESETS, TRAINED_PRESETS
 from rung.models.registry import model_class
@@ -33,7 +34,8 @@ from rung.models.weights import iterate_safetensors
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-# None: every weight in ``dtype``; "gguf": a GGUF file's Q4_0 / Q4_1 linear weights stay int4
+# None: every weight in ``dtype``; "gguf": a GGUF file's Q4_0 / Q4_1 (and on CPU Q8_0)
+# linear weights stay in their blocks
 QUANTIZATIONS = (None, "gguf")
 # Seeds of random weights: fixed per role, never the engine's sampling seed, so a preset is
 # one model (trained drafters are fitted to it) whatever seed a user samples with.
@@ -141,7 +143,7 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cp
                quantization: str | None = None) -> LoadedModel:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} not in {LOAD_FORMATS}")
-    check_quantization(quantization, dtype)
+    check_quantization(quantization, dtype, torch.device(device))
     path = resolve_model_path(model)
     if is_gguf(path):
         return _load_gguf(path, model, dtype, device, load_format, seed, quantization)
@@ -204,30 +206,38 @@ def _trained_preset(model: str) -> str | None:
     return folder
 
 
-def _use_int4_layers(net: nn.Module, tensor_types: dict[str, str]) -> frozenset[str]:
-    """Make int4 every linear layer (fused ones included) whose GGUF tensors are all
-    Q4_0 / Q4_1; returns those tensors' HF names. Every other tensor is dequantized."""
+def _use_quant_layers(net: nn.Module, tensor_types: dict[str, str],
+                      block_types: tuple[str, ...]) -> frozenset[str]:
+    """Make quantized every linear layer (fused ones and a tied head included) whose GGUF
+    tensors are all of ``block_types``; returns those tensors' HF names. Every other
+    tensor is dequantized."""
+    types = dict(tensor_types)
+    if getattr(net, "tied", False) and getattr(net, "quantizable_head", False):
+        types["lm_head.weight"] = types["model.embed_tokens.weight"]   # its blocks serve both
     by_layer: dict[str, dict[str, str]] = {}         # rung layer -> {HF name: GGUF type}
-    for hf_name, type_name in tensor_types.items():
+    for hf_name, type_name in types.items():
         layer = hf_name.removesuffix(".weight")
         for fused, part, _ in STACKED_PARAMS:
             layer = layer.replace(f".{part}", f".{fused}") if layer.endswith(part) else layer
         by_layer.setdefault(layer, {})[hf_name] = type_name
     chosen = {layer: parts for layer, parts in by_layer.items()
-              if _int4_layer(net, layer, parts)}
-    use_int4_linears(net, set(chosen))
-    logger.info("GGUF: %d linear layers run int4 (Q4_0 / Q4_1); %d other tensors are "
-                "dequantized", len(chosen), len(tensor_types) - sum(map(len, chosen.values())))
+              if _quant_layer(net, layer, parts, block_types)}
+    use_quant_linears(net, set(chosen))
+    logger.info("GGUF: %d linear layers stay quantized (%s); %d other tensors are "
+                "dequantized", len(chosen), " / ".join(block_types),
+                len(types) - sum(map(len, chosen.values())))
     return frozenset(name for parts in chosen.values() for name in parts)
 
 
-def _int4_layer(net: nn.Module, layer: str, parts: dict[str, str]) -> bool:
+def _quant_layer(net: nn.Module, layer: str, parts: dict[str, str],
+                 block_types: tuple[str, ...]) -> bool:
     try:
         module = net.get_submodule(layer)
     except AttributeError:
         return False
     return (type(module) in (nn.Linear, MergedLinear) and module.bias is None
-            and all(t in INT4_TYPES for t in parts.values())
+            and all(t in block_types for t in parts.values())
+            and len({t == "Q8_0" for t in parts.values()}) == 1      # one bit width a layer
             and len(parts) == len(getattr(module, "shard_sizes", [None]))
             and check_packable(module.out_features, module.in_features) is None)
 
@@ -239,13 +249,15 @@ def _open_gguf(path: str) -> GGUFModel:
     return GGUFModel(path)
 
 
-def check_quantization(quantization: str | None, dtype: torch.dtype) -> None:
+def check_quantization(quantization: str | None, dtype: torch.dtype,
+                       device: torch.device) -> None:
     """A ValueError for an unknown quantization or a dtype its kernel cannot run."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} is not one of {QUANTIZATIONS}")
-    if quantization == "gguf" and dtype != ACTIVATION_DTYPE:
-        raise ValueError(f"quantization 'gguf' runs torch's int4 kernel, which takes "
-                         f"{ACTIVATION_DTYPE} activations; dtype {dtype} cannot run it "
+    if quantization == "gguf" and quant_kernel(device) == "torch_int4" \
+            and dtype != ACTIVATION_DTYPE:
+        raise ValueError(f"quantization 'gguf' on {device} runs torch's int4 kernel, which "
+                         f"takes {ACTIVATION_DTYPE} activations; dtype {dtype} cannot run it "
                          "(use dtype bfloat16 or auto, or leave quantization out to "
                          "dequantize every weight)")
 
@@ -256,18 +268,20 @@ def _load_gguf(path: str, name: str, dtype: torch.dtype, device: str, load_forma
     cfg = gguf_model.config
     with torch.device("cpu"), _skip_random_init(load_format != "dummy"):
         net = model_class(cfg)(cfg)
-    int4_names: frozenset[str] = frozenset()
+    block_names: frozenset[str] = frozenset()
     if load_format == "dummy":
         init_random_weights(net, seed)
     else:
         if quantization == "gguf":
-            int4_names = _use_int4_layers(net, gguf_model.tensor_types())
-        net.load_weights(gguf_model.weights(int4_names))
-    head_t = tied_head_fp32_t(net) if int4_names else None
+            kernel = quant_kernel(torch.device(device))
+            block_names = _use_quant_layers(net, gguf_model.tensor_types(),
+                                            BLOCK_TYPES if kernel == "rung" else INT4_TYPES)
+        net.load_weights(gguf_model.weights(block_names))
+    head_t = tied_head_fp32_t(net) if block_names and dtype != torch.float32 else None
     net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if head_t is not None:
         net.lm_head.register_buffer("weight_t", head_t.to(device), persistent=False)
-    pack_int4_linears(net, device)
+    pack_quant_linears(net, device)
     if torch.device(device).type == "cpu":
         pretranspose_linear_weights(net)
     return LoadedModel(net, cfg, gguf_model.tokenizer(), name, load_format == "dummy",

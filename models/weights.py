@@ -9,10 +9,10 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from rung.kernels.int4 import Int4Weight
+from rung.kernels.gguf_cpu import GGUFBlockWeight
 
-# (HF name, tensor); an ``Int4Weight`` goes to the ``load_int4`` of its layer, unpacked
-WeightStream = Iterable[tuple[str, "torch.Tensor | Int4Weight"]]
+# (HF name, tensor); a ``GGUFBlockWeight`` goes to the ``load_quantized`` of its layer
+WeightStream = Iterable[tuple[str, "torch.Tensor | GGUFBlockWeight"]]
 
 
 def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -50,8 +50,8 @@ def load_named_weights(model: nn.Module, weights: WeightStream,
             if f".{hf_part}." in name:
                 name, shard = name.replace(f".{hf_part}.", f".{merged}."), idx
                 break
-        if isinstance(tensor, Int4Weight):
-            _load_int4(model, hf_name, name, tensor, shard)
+        if isinstance(tensor, GGUFBlockWeight):
+            _load_quantized(model, hf_name, name, tensor, shard)
             loaded.add(name)
             continue
         if name not in params:
@@ -70,16 +70,16 @@ def load_named_weights(model: nn.Module, weights: WeightStream,
     return loaded
 
 
-def _load_int4(model: nn.Module, hf_name: str, name: str, weight: Int4Weight,
-               shard: int | None) -> None:
+def _load_quantized(model: nn.Module, hf_name: str, name: str, weight: GGUFBlockWeight,
+                    shard: int | None) -> None:
     try:
         owner = model.get_submodule(name.rpartition(".")[0])
     except AttributeError:
         owner = None
-    if owner is None or not hasattr(owner, "load_int4"):
-        raise ValueError(f"checkpoint tensor {hf_name!r} is int4, but its layer in "
-                         f"{type(model).__name__} is not an int4 layer")
-    owner.load_int4(weight, shard)
+    if owner is None or not hasattr(owner, "load_quantized"):
+        raise ValueError(f"checkpoint tensor {hf_name!r} is block-quantized, but its layer "
+                         f"in {type(model).__name__} is not a quantized layer")
+    owner.load_quantized(weight, shard)
 
 
 def check_all_loaded(model: nn.Module, loaded: set[str], tied: dict[str, str]) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from rung.core.graph_mode import CUDAGraphMode
+from rung.models.layers import quant_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +38,13 @@ def parse_device(device: str | torch.device) -> torch.device:
 
 def parse_dtype(dtype: str | torch.dtype, device: torch.device,
                 quantization: str | None = None) -> torch.dtype:
-    """``quantization`` "gguf": "auto" is bfloat16, the int4 kernel's activation dtype."""
+    """``quantization`` "gguf": "auto" is the activation dtype of its kernel (fp32 for
+    rung's CPU kernel, bfloat16 for torch's int4 one on CUDA or CPUs without AVX2)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" or quantization else torch.float32
+        int4_bf16 = quantization is not None and quant_kernel(device) == "torch_int4"
+        return torch.bfloat16 if device.type == "cuda" or int4_bf16 else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]

@@ -1,0 +1,115 @@
+"""Quality of a GGUF file served quantized: greedy text against llama.cpp on the same file,
+and per-token logprobs against rung's dequantized fp32 model.
+
+On the quickstart's three chat prompts (same prompt ids for every model), greedy
+``--max-tokens`` tokens from rung ``quantization="gguf"``, rung dequantized fp32 and
+llama.cpp (when installed). Then the fp32 model scores the quantized model's tokens
+(teacher forcing, ``prompt_logprobs``), so each token's logprob under both models can be
+compared (the largest and mean absolute difference); llama.cpp's own tokens are scored
+the same way, so its deviation from fp32 on the same file is the yardstick.
+
+    OMP_NUM_THREADS=1 python -m rung.bench.gguf_quality --model smollm2-135m
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from rung.models.chat_template import apply_chat_template
+from rung.models.loader import resolve_model_path
+from rung.runtime.api.llm import LLM
+from rung.runtime.sampling_params import SamplingParams
+
+PROMPTS = ["What is the capital of France?", "Name three primary colors.",
+           "What is 7 times 8?"]
+
+
+def _llm(model: str, quantization: str | None) -> LLM:
+    return LLM(model, device="cpu", dtype="float32", max_model_len=256, max_num_seqs=1,
+               enforce_eager=True, quantization=quantization)
+
+
+def _greedy(llm: LLM, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their own logprobs."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0)
+    out = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0].outputs[0]
+    return list(out.token_ids), [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+
+
+def _scored(llm: LLM, prompt_ids: list[int], tokens: list[int]) -> list[float]:
+    """Logprobs ``llm`` gives ``tokens`` after ``prompt_ids`` (teacher forcing)."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([{"prompt_token_ids": prompt_ids + tokens}], params, use_tqdm=False)[0]
+    scored = out.prompt_logprobs[len(prompt_ids):]
+    return [lp[t].logprob for lp, t in zip(scored, tokens)]
+
+
+def _llamacpp_greedy(lcpp, prompt_ids: list[int],
+                     max_tokens: int) -> tuple[list[int], list[float]]:
+    """llama.cpp's greedy tokens on one sequence (up to its end-of-generation token, as
+    rung stops at EOS) and its own logprobs of them."""
+    import numpy as np
+
+    lc = lcpp.lc
+    vocab = lc.llama_model_get_vocab(lcpp.model)
+    lc.llama_memory_clear(lc.llama_get_memory(lcpp.ctx), True)
+    rows = [(t, pos, 0) for pos, t in enumerate(prompt_ids)]
+    tokens, logprobs = [], []
+    for _ in range(max_tokens):
+        lcpp._decode(rows)
+        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(lcpp.ctx, len(rows) - 1),
+                                       shape=(lcpp.vocab_size,)).astype(np.float64)
+        token = int(logits.argmax())
+        logprobs.append(float(logits[token] - logits.max()
+                              - np.log(np.exp(logits - logits.max()).sum())))
+        tokens.append(token)
+        if lc.llama_vocab_is_eog(vocab, token):
+            break
+        rows = [(token, len(prompt_ids) + len(tokens) - 1, 0)]
+    return tokens, logprobs
+
+
+def _diff(own: list[float], scored: list[float]) -> str:
+    diffs = [abs(a - b) for a, b in zip(own, scored)]
+    return f"max {max(diffs):.4f}, mean {sum(diffs) / len(diffs):.4f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--max-tokens", type=int, default=24)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    quant, fp32 = _llm(args.model, "gguf"), _llm(args.model, None)
+    tokenizer = fp32.get_tokenizer()
+    try:
+        from rung.bench.llamacpp_baseline import LlamaCppModel
+
+        lcpp = LlamaCppModel(resolve_model_path(args.model), 1, 256, 1)
+    except ValueError as e:
+        print(f"llama.cpp skipped: {e}")
+        lcpp = None
+    for prompt in PROMPTS:
+        ids = apply_chat_template(tokenizer, [{"role": "user", "content": prompt}], None,
+                                  True, args.model)["prompt_token_ids"]
+        q_tokens, q_logprobs = _greedy(quant, ids, args.max_tokens)
+        f_tokens, _ = _greedy(fp32, ids, args.max_tokens)
+        f_scores = _scored(fp32, ids, q_tokens)
+        print(f"--- {prompt!r}")
+        print(f"  rung gguf : {tokenizer.decode(q_tokens)!r}")
+        print(f"  rung fp32 : {tokenizer.decode(f_tokens)!r}  "
+              f"(same tokens: {q_tokens == f_tokens})")
+        print(f"  |logprob rung gguf - rung fp32| over rung gguf's tokens: "
+              f"{_diff(q_logprobs, f_scores)}")
+        if lcpp is not None:
+            l_tokens, l_logprobs = _llamacpp_greedy(lcpp, ids, args.max_tokens)
+            print(f"  llama.cpp : {tokenizer.decode(l_tokens)!r}  "
+                  f"(same tokens as rung gguf: {l_tokens == q_tokens})")
+            print(f"  |logprob llama.cpp - rung fp32| over llama.cpp's tokens: "
+                  f"{_diff(l_logprobs, _scored(fp32, ids, l_tokens))}")
+
+
+if __name__ == "__main__":
+    main()
