@@ -23,6 +23,7 @@ from rung.graphs.capture import CapturedGraph, Outputs, memory_identity
 from rung.graphs.compiled import MIN_DYNAMIC_SIZE, CompiledGraphBackend
 from rung.graphs.compiler import compile_model
 from rung.graphs.dispatcher import Dispatcher, downgrade
+from rung.graphs.layered import capture_layers, layer_specs
 from rung.kernels.backend import AttentionBackend
 
 # (descriptor of the replay, generator) -> garbage into the pad input rows of one batch
@@ -80,7 +81,10 @@ class GraphManager:
         # compiled CPU graphs: one artifact with a symbolic batch serves every size of >= 2
         # request rows (size 1 keeps a static artifact of its own)
         self.symbolic_batch = True
-        self._artifact_keys: dict[BatchExecutionDescriptor, str] = {}   # see is_ready
+        # compiled CPU graphs of a model with ``decoder_parts()``: one artifact per decoder
+        # layer kind, called once per layer (False: the whole forward in one artifact)
+        self.per_layer = True
+        self._artifact_keys: dict[BatchExecutionDescriptor, tuple[str, ...]] = {}   # is_ready
         self.records: list[CaptureRecord] = []
         self.trace_seconds = 0.0      # one-time torch.compile tracing, not in any record
         self._traced_at: float | None = None
@@ -137,8 +141,20 @@ class GraphManager:
                                                             CompiledGraphBackend):
             return True
         if key not in self._artifact_keys:
-            self._artifact_keys[key] = self._compiled_spec(key)[-1]
-        return self.capture_backend.has_artifact(self._artifact_keys[key])
+            self._artifact_keys[key] = self._artifact_keys_of(key)
+        return all(map(self.capture_backend.has_artifact, self._artifact_keys[key]))
+
+    def _artifact_keys_of(self, desc: BatchExecutionDescriptor) -> tuple[str, ...]:
+        """Keys of the artifacts the compiled graph of ``desc`` is built from."""
+        parts = self._decoder_parts()
+        if parts is None:
+            return (self._compiled_spec(desc)[-1],)
+        ids, positions, ctx = self.runner.dummy_batch(desc)
+        symbolic = self._symbolic(desc)
+        with torch.no_grad():
+            specs = layer_specs(self.capture_backend, parts, ctx, ids, positions,
+                                _compile_key(desc, ctx, symbolic), symbolic)
+        return tuple(dict.fromkeys(spec[-1] for spec in specs))
 
     def _capture(self, desc: BatchExecutionDescriptor) -> CaptureRecord:
         start = time.perf_counter()
@@ -157,8 +173,7 @@ class GraphManager:
             else:
                 inputs = self._full_inputs(ids, positions, ctx)
                 if isinstance(self.capture_backend, CompiledGraphBackend):
-                    graph = self.capture_backend.capture_model(
-                        self._model_forward, inputs, *self._compiled_spec(desc, ctx, inputs))
+                    graph = self._capture_compiled(desc, ctx, inputs)
                     compiled_s, load_s = graph.compile_s, graph.load_s
                     artifact = graph.artifact_key
                 else:
@@ -174,6 +189,30 @@ class GraphManager:
                              time.perf_counter() - start, nbytes, nodes,
                              compile_s=compiled_s, load_s=load_s, artifact=artifact)
 
+    def _capture_compiled(self, desc: BatchExecutionDescriptor, ctx: ForwardContext,
+                          inputs: list[torch.Tensor]) -> CapturedGraph:
+        parts = self._decoder_parts()
+        if parts is None:
+            return self.capture_backend.capture_model(
+                self._model_forward, inputs, *self._compiled_spec(desc, ctx, inputs))
+        symbolic = self._symbolic(desc)
+        for batch in dict.fromkeys((symbolic, False)):
+            graph = capture_layers(self.capture_backend, self._model_forward, inputs, parts,
+                                   ctx, _compile_key(desc, ctx, batch), batch)
+            if graph is not None:
+                return graph
+        raise RuntimeError(f"no per-layer compiled graph of {desc.num_tokens_padded} tokens "
+                           "reproduces eager; set GraphManager.per_layer = False")
+
+    def _decoder_parts(self) -> Any:
+        """The model's forward in pieces, when it has them and graphs are built per layer."""
+        parts = getattr(self.runner.model, "decoder_parts", None)
+        return parts() if parts is not None and self.per_layer else None
+
+    def _symbolic(self, desc: BatchExecutionDescriptor) -> bool:
+        """Whether ``desc``'s compiled graph shares a symbolic-batch artifact."""
+        return self.symbolic_batch and desc.num_reqs_padded >= MIN_DYNAMIC_SIZE
+
     def _compiled_spec(self, desc: BatchExecutionDescriptor, ctx: ForwardContext | None = None,
                        inputs: list[torch.Tensor] | None = None) -> tuple:
         """(named tensors, symbolic dims, graph key, artifact key) of the compiled graph of
@@ -182,7 +221,7 @@ class GraphManager:
             ids, positions, ctx = self.runner.dummy_batch(desc)
             inputs = self._full_inputs(ids, positions, ctx)
         named = self._named_tensors(inputs)
-        batch = self.symbolic_batch and desc.num_reqs_padded >= MIN_DYNAMIC_SIZE
+        batch = self._symbolic(desc)
         dynamic, graph_key = _symbolic_dims(named, ctx, batch), _compile_key(desc, ctx, batch)
         return named, dynamic, graph_key, self.capture_backend.key(named, dynamic, graph_key)
 
