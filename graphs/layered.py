@@ -164,6 +164,21 @@ def _bind_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor],
     return graph, loaded
 
 
+def build_layer_artifacts(backend: CompiledGraphBackend, parts: DecoderParts,
+                          specs: list) -> float:
+    """Compile (or load) the artifact of every layer kind in ``specs``, binding nothing;
+    the seconds spent compiling."""
+    seen: set[str] = set()
+    compile_s = 0.0
+    for layer, rope, named, dynamic, key in specs:
+        if key not in seen:
+            seen.add(key)
+            compile_s += backend.layer_artifact(
+                key, _layer_fn(layer, parts.rotaries[rope]),
+                [named["hidden"], named["cos"], named["sin"]], named, dynamic)[2] or 0.0
+    return compile_s
+
+
 def _layer_fn(layer: nn.Module, rotary: nn.Module) -> Callable[..., torch.Tensor]:
     def run_layer(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return layer((rotary, cos, sin), hidden)

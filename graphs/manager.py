@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
@@ -18,13 +19,15 @@ from rung.core.forward_context import (
     get_forward_context,
 )
 from rung.core.graph_mode import CUDAGraphMode
-from rung.graphs.backends import make_capture_backend
+from rung.graphs.backends import make_capture_backend, resolve_graph_backend
 from rung.graphs.capture import CapturedGraph, Outputs, memory_identity
 from rung.graphs.compiled import MIN_DYNAMIC_SIZE, CompiledGraphBackend
 from rung.graphs.compiler import compile_model
 from rung.graphs.dispatcher import Dispatcher, downgrade
-from rung.graphs.layered import capture_layers, layer_specs
+from rung.graphs.layered import build_layer_artifacts, capture_layers, layer_specs
 from rung.kernels.backend import AttentionBackend
+
+logger = logging.getLogger(__name__)
 
 # (descriptor of the replay, generator) -> garbage into the pad input rows of one batch
 PadPoisoner = Callable[[BatchExecutionDescriptor, torch.Generator], None]
@@ -68,6 +71,9 @@ class GraphManager:
                  poison: bool, artifact_cache: Any = None) -> None:
         self.runner = runner
         mode = downgrade(mode, runner.backend.graph_support, runner.backend.name)
+        if (mode.has_piecewise() and piece_compiler == "eager"
+                and resolve_graph_backend(graph_backend, runner.device) == "compiled"):
+            mode = _no_cpu_pieces(mode)
         self.dispatcher = Dispatcher(mode, sizes, runner.max_num_reqs, decode_query_len)
         self._poison_gen = torch.Generator().manual_seed(1234)
         self.capture_backend = make_capture_backend(graph_backend, runner.device,
@@ -150,7 +156,8 @@ class GraphManager:
         if parts is None:
             return (self._compiled_spec(desc)[-1],)
         ids, positions, ctx = self.runner.dummy_batch(desc)
-        symbolic = self._symbolic(desc)
+        symbolic = self.symbolic_batch and (self._symbolic(desc)
+                                            or self.runner.max_num_reqs >= MIN_DYNAMIC_SIZE)
         with torch.no_grad():
             specs = layer_specs(self.capture_backend, parts, ctx, ids, positions,
                                 _compile_key(desc, ctx, symbolic), symbolic)
@@ -195,14 +202,39 @@ class GraphManager:
         if parts is None:
             return self.capture_backend.capture_model(
                 self._model_forward, inputs, *self._compiled_spec(desc, ctx, inputs))
-        symbolic = self._symbolic(desc)
+        built_s = 0.0 if self._symbolic(desc) else self._symbolic_from_two_rows(desc)
+        symbolic = built_s is not None
         for batch in dict.fromkeys((symbolic, False)):
             graph = capture_layers(self.capture_backend, self._model_forward, inputs, parts,
                                    ctx, _compile_key(desc, ctx, batch), batch)
             if graph is not None:
+                if built_s:            # compiled on two rows just now: this graph's cost
+                    graph.compile_s = built_s + (graph.compile_s or graph.load_s or 0.0)
+                    graph.load_s = None
                 return graph
         raise RuntimeError(f"no per-layer compiled graph of {desc.num_tokens_padded} tokens "
                            "reproduces eager; set GraphManager.per_layer = False")
+
+    def _symbolic_from_two_rows(self, desc: BatchExecutionDescriptor) -> float | None:
+        """A one-row graph binds the symbolic per-layer artifacts (it replays as fast as a
+        static one: SmolLM2 0.97x), built first on a capture batch of two rows if need be
+        (a trace of one row would specialise the batch dimension): the seconds that
+        compile took. None when the batch is never two rows: a static artifact then."""
+        if not self.symbolic_batch or self.runner.max_num_reqs < MIN_DYNAMIC_SIZE:
+            return None
+        compile_s = 0.0
+        if not self.is_ready(desc):
+            rows = dataclasses.replace(desc, num_reqs_padded=MIN_DYNAMIC_SIZE,
+                                       num_tokens_padded=MIN_DYNAMIC_SIZE * desc.num_tokens_padded
+                                       // desc.num_reqs_padded)
+            ids, positions, ctx = self.runner.dummy_batch(rows)
+            with forward_context(ctx):
+                specs = layer_specs(self.capture_backend, self._decoder_parts(), ctx, ids,
+                                    positions, _compile_key(rows, ctx, True), True)
+                compile_s = build_layer_artifacts(self.capture_backend,
+                                                  self._decoder_parts(), specs)
+            self.runner.dummy_batch(desc)      # NOTE: back to the one-row batch's pads
+        return compile_s
 
     def _decoder_parts(self) -> Any:
         """The model's forward in pieces, when it has them and graphs are built per layer."""
@@ -320,6 +352,18 @@ class GraphManager:
         desc = current_descriptor()
         if desc is not None:
             self._poisoners[self._replaying](desc, self._poison_gen)
+
+
+def _no_cpu_pieces(mode: CUDAGraphMode) -> CUDAGraphMode:
+    """The mode without PIECEWISE graphs, for compiled CPU graphs whose pieces would run
+    uncompiled: such a replay is the eager ops plus a copy into static outputs, SLOWER than
+    eager (SmolLM2, 24-token prefill: 1.17x eager's time, ``python -m
+    rung.bench.piecewise_cpu``), and costs a dynamo trace of the whole model (18 s)."""
+    new = CUDAGraphMode.FULL_DECODE_ONLY if mode.has_full() else CUDAGraphMode.NONE
+    logger.info("compiled CPU graphs: cudagraph_mode %s runs as %s (PIECEWISE pieces would "
+                "run uncompiled, slower than eager; compilation_config backend='inductor' "
+                "compiles them)", mode.name, new.name)
+    return new
 
 
 def _compile_key(desc: BatchExecutionDescriptor, ctx: ForwardContext, symbolic_batch: bool
