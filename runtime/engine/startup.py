@@ -5,9 +5,11 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import threading
 import time
 from typing import Callable
 
+import torch
 from tqdm import tqdm
 
 from rung.graphs.backends import resolve_graph_backend
@@ -29,6 +31,9 @@ logger = logging.getLogger(__name__)
 def load_target(config: EngineConfig) -> tuple[LoadedModel, int]:
     """The model to serve and its max_model_len (ValueError for a drafter or a length
     above the model's own)."""
+    if not config.enforce_eager and resolve_graph_backend(
+            config.compilation.graph_backend, torch.device(config.device)) == "compiled":
+        _import_inductor_meanwhile()
     loaded = load_model(config.model, config.dtype, str(config.device), config.load_format,
                         quantization=config.quantization)
     if isinstance(loaded.model, DraftModel):
@@ -41,6 +46,14 @@ def load_target(config: EngineConfig) -> tuple[LoadedModel, int]:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                          f"max_position_embeddings={model_max}")
     return loaded, max_model_len
+
+
+def _import_inductor_meanwhile() -> None:
+    """Import inductor (which loads compiled graphs) in a thread while the model loads:
+    seconds of Python that would otherwise delay the first graph, or a step."""
+    def run() -> None:
+        import torch._inductor.standalone_compile  # noqa: F401
+    threading.Thread(target=run, name="rung-import-inductor", daemon=True).start()
 
 
 def make_proposer(config: EngineConfig, runner: ModelRunner) -> Proposer:
