@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -26,9 +26,19 @@ from rung.graphs.artifact_cache import bind_inputs
 from rung.graphs.capture import CapturedGraph, memory_identity
 from rung.graphs.compiled import MIN_DYNAMIC_SIZE, CompiledGraphBackend
 from rung.kernels.attention import Attention
-from rung.models.layers import DecoderParts
 
 logger = logging.getLogger(__name__)
+
+class DecoderParts(Protocol):
+    """What a model's ``decoder_parts()`` returns (models.layers.DecoderParts): its forward
+    is ``norm(layer_n(...layer_1(rope, embed(input_ids))))``, each layer with the rope of
+    its ``layer_type``."""
+
+    embed: Callable[[torch.Tensor], torch.Tensor]
+    layers: nn.ModuleList
+    rotaries: Mapping[str, nn.Module]
+    norm: nn.Module
+
 
 _METADATA = ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
 # NOTE: per-layer names (which KV cache, which metadata a layer reads); what they select
