@@ -130,7 +130,7 @@ class LLMEngine:
         if self.graph_startup is None:
             return False
         self.graph_startup.advance()
-        return not self.graph_startup.builder.done
+        return not self.graph_startup.all_live
 
     def has_unfinished_requests(self) -> bool:
         """Requests still running or waiting, or outputs still to be returned by step()."""

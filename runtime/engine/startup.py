@@ -136,6 +136,9 @@ class GraphStartup:
         if startup == "background" and getattr(graphs.capture_backend, "cache", None) is not None:
             prefetch = start_prefetch(config, max_model_len)
         self.builder = GraphBuilder(graphs, after, progress, prefetch)
+        # NOTE: a plain flag, read before every step: once all is live, a step pays one
+        # attribute read here, no call into the builder
+        self.all_live = self.builder.done
         if startup == "background":
             logger.info("serving eagerly from the first step; %d graphs go live as they are "
                         "built (%s); llm.wait_for_graphs() waits for them", total,
@@ -149,14 +152,16 @@ class GraphStartup:
         """Bring every graph live now (at most ``timeout`` seconds); True when all are."""
         done = self.builder.wait(timeout)
         if done:
+            self.all_live = True
             self.bar.close()
         return done
 
     def advance(self) -> None:
         """Between two steps: at most one more graph goes live (see GraphBuilder)."""
-        if not self.builder.done:
+        if not self.all_live:
             self.builder.advance()
             if self.builder.done:
+                self.all_live = True
                 self.bar.close()
 
 
