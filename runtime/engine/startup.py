@@ -86,8 +86,10 @@ def make_graph_manager(runner: ModelRunner, config: EngineConfig) -> GraphManage
     compiled = resolve_graph_backend(comp.graph_backend, runner.device) == "compiled"
     cache = artifact_cache(runner, config) if compiled else None
     _warn_if_batches_run_eagerly(sizes, config)
-    return GraphManager(runner, comp.cudagraph_mode, sizes, 1 + config.num_spec_tokens,
-                        comp.backend, comp.graph_backend, config.debug_padding, cache)
+    graphs = GraphManager(runner, comp.cudagraph_mode, sizes, 1 + config.num_spec_tokens,
+                          comp.backend, comp.graph_backend, config.debug_padding, cache)
+    graphs.per_layer = comp.per_layer_graphs
+    return graphs
 
 
 def _warn_if_batches_run_eagerly(sizes: list[int], config: EngineConfig) -> None:
