@@ -13,10 +13,11 @@ artifact in turn on the previous one's hidden states, then the final norm eagerl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -124,12 +125,13 @@ def capture_layers(backend: CompiledGraphBackend, forward: Callable[..., torch.T
     start = time.perf_counter()
     with torch.no_grad():
         specs = layer_specs(backend, parts, ctx, inputs[0], inputs[1], graph_key, symbolic)
-    with forward_context(_eager_context(ctx)):
+    with forward_context(_eager_context(ctx)), _one_thread():
         expected = forward(*inputs)
     for _ in range(2):
         graph, loaded = _bind_layers(backend, inputs, parts, ctx, specs)
         try:
-            graph.outputs = graph._run()
+            with _one_thread():
+                graph.outputs = graph._run()
             ok = torch.allclose(graph.outputs, expected, rtol=1e-3, atol=1e-4)
             why = "disagrees with eager"
         except Exception as e:  # noqa: BLE001 - e.g. a dim the trace specialised after all
@@ -147,6 +149,18 @@ def capture_layers(backend: CompiledGraphBackend, forward: Callable[..., torch.T
         for key in loaded:
             backend.forget(key)
     return None
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """The capture-batch check on one torch thread: on a busy small machine two OpenMP
+    threads wait at every op's barrier for a core (seconds per check at 2 threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _eager_context(ctx: ForwardContext) -> ForwardContext:
