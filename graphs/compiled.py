@@ -53,8 +53,8 @@ class CompiledGraph(CapturedGraph):
         self.artifact_key: str | None = None   # shared by every size traced symbolic
 
     def replay(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        self.check_inputs(inputs)
-        if self.poison is not None:
+        if self.poison is not None:     # debug mode: the identity check, then garbage
+            self.check_inputs(inputs)
             self.poison()
         return self._run()
 
@@ -164,6 +164,12 @@ def trace_forward(fn: Callable[..., torch.Tensor], inputs: Sequence,
     """One dynamo trace of ``fn(*inputs)`` with attention inlined; runs it once.
     ``dynamic``: name (in ``named``) -> dimensions traced symbolic."""
     traced = TracedGraph()
+    # NOTE: every trace of one function (one per artifact, engines built in one process)
+    # adds an entry to dynamo's cache of that code object; past its limit dynamo stops
+    # calling the backend
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4096)
+    torch._dynamo.config.accumulated_recompile_limit = max(
+        torch._dynamo.config.accumulated_recompile_limit, 4096)
     ctx = get_forward_context()
     ctx.inline_attention = True
     _mark_dynamic(named or {}, dynamic or {})
@@ -246,6 +252,38 @@ class CompiledGraphBackend(EmulatedGraphBackend):
                                            compile_s, None, self.poison_hook))
         graph.artifact_key = key
         return graph
+
+    def layer_artifact(self, key: str, fn: Callable[..., torch.Tensor], inputs: Sequence,
+                       named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]]
+                       ) -> tuple[Any, list[str], float | None]:
+        """(artifact, its input names, compile seconds or None when it was built earlier)
+        of ``fn(*inputs)`` (one decoder layer), keyed ``key``: from this process, the disk
+        cache, or traced and compiled now."""
+        known = self.artifacts.get(key)
+        if known is None and self.cache is not None:
+            known = self.cache.load(key, named)
+        if known is not None:
+            self.artifacts[key] = known
+            return *known, None
+        start = time.perf_counter()
+        traced = trace_forward(fn, inputs, named, dynamic)
+        artifact = compile_traced(traced)
+        compile_s = time.perf_counter() - start
+        names = input_names(traced.inputs, traced.sizes, named)
+        if names is None:
+            raise RuntimeError("a compiled decoder layer reads a tensor rung cannot name")
+        logger.info("compiled a decoder layer artifact of %d inputs in %.1f s", len(names),
+                    compile_s)
+        self.artifacts[key] = (artifact, names)
+        if self.cache is not None:
+            self.cache.save(key, artifact, names)
+        return artifact, names, compile_s
+
+    def forget(self, key: str) -> None:
+        """Drop an artifact that failed its check, here and on disk."""
+        self.artifacts.pop(key, None)
+        if self.cache is not None:
+            self.cache.discard(key)
 
     def _bind(self, key: str, artifact: Any, names: list[str], fn: Callable[..., torch.Tensor],
               inputs: Sequence, named: dict[str, torch.Tensor]) -> CompiledGraph | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
@@ -17,12 +18,15 @@ from rung.core.forward_context import (
     forward_context,
 )
 from rung.core.graph_mode import CUDAGraphMode
-from rung.graphs.backends import make_capture_backend
+from rung.graphs.backends import make_capture_backend, resolve_graph_backend
 from rung.graphs.capture import CapturedGraph, Outputs, memory_identity
 from rung.graphs.compiled import MIN_DYNAMIC_SIZE, CompiledGraphBackend
 from rung.graphs.compiler import compile_model
 from rung.graphs.dispatcher import Dispatcher, downgrade
+from rung.graphs.layered import build_layer_artifacts, capture_layers, layer_specs
 from rung.kernels.backend import AttentionBackend
+
+logger = logging.getLogger(__name__)
 
 # (descriptor of the replay, generator) -> garbage into the pad input rows of one batch
 PadPoisoner = Callable[[BatchExecutionDescriptor, torch.Generator], None]
@@ -66,6 +70,9 @@ class GraphManager:
                  poison: bool, artifact_cache: Any = None) -> None:
         self.runner = runner
         mode = downgrade(mode, runner.backend.graph_support, runner.backend.name)
+        if (mode.has_piecewise() and piece_compiler == "eager"
+                and resolve_graph_backend(graph_backend, runner.device) == "compiled"):
+            mode = _no_cpu_pieces(mode)
         self.dispatcher = Dispatcher(mode, sizes, runner.max_num_reqs, decode_query_len)
         self._poison_gen = torch.Generator().manual_seed(1234)
         self.capture_backend = make_capture_backend(graph_backend, runner.device,
@@ -79,7 +86,10 @@ class GraphManager:
         # compiled CPU graphs: one artifact with a symbolic batch serves every size of >= 2
         # request rows (size 1 keeps a static artifact of its own)
         self.symbolic_batch = True
-        self._artifact_keys: dict[BatchExecutionDescriptor, str] = {}   # see is_ready
+        # compiled CPU graphs of a model with ``decoder_parts()``: one artifact per decoder
+        # layer kind, called once per layer (False: the whole forward in one artifact)
+        self.per_layer = True
+        self._artifact_keys: dict[BatchExecutionDescriptor, tuple[str, ...]] = {}   # is_ready
         self.records: list[CaptureRecord] = []
         self.trace_seconds = 0.0      # one-time torch.compile tracing, not in any record
         self._traced_at: float | None = None
@@ -130,8 +140,21 @@ class GraphManager:
                                                             CompiledGraphBackend):
             return True
         if key not in self._artifact_keys:
-            self._artifact_keys[key] = self._compiled_spec(key)[-1]
-        return self.capture_backend.has_artifact(self._artifact_keys[key])
+            self._artifact_keys[key] = self._artifact_keys_of(key)
+        return all(map(self.capture_backend.has_artifact, self._artifact_keys[key]))
+
+    def _artifact_keys_of(self, desc: BatchExecutionDescriptor) -> tuple[str, ...]:
+        """Keys of the artifacts the compiled graph of ``desc`` is built from."""
+        parts = self._decoder_parts()
+        if parts is None:
+            return (self._compiled_spec(desc)[-1],)
+        ids, positions, ctx = self.runner.dummy_batch(desc)
+        symbolic = self.symbolic_batch and (self._symbolic(desc)
+                                            or self.runner.max_num_reqs >= MIN_DYNAMIC_SIZE)
+        with torch.no_grad():
+            specs = layer_specs(self.capture_backend, parts, ctx, ids, positions,
+                                _compile_key(desc, ctx, symbolic), symbolic)
+        return tuple(dict.fromkeys(spec[-1] for spec in specs))
 
     def _capture(self, desc: BatchExecutionDescriptor) -> CaptureRecord:
         start = time.perf_counter()
@@ -150,8 +173,7 @@ class GraphManager:
             else:
                 inputs = self._full_inputs(ids, positions, ctx)
                 if isinstance(self.capture_backend, CompiledGraphBackend):
-                    graph = self.capture_backend.capture_model(
-                        self._model_forward, inputs, *self._compiled_spec(desc, ctx, inputs))
+                    graph = self._capture_compiled(desc, ctx, inputs)
                     compiled_s, load_s = graph.compile_s, graph.load_s
                     artifact = graph.artifact_key
                 else:
@@ -167,6 +189,55 @@ class GraphManager:
                              time.perf_counter() - start, nbytes, nodes,
                              compile_s=compiled_s, load_s=load_s, artifact=artifact)
 
+    def _capture_compiled(self, desc: BatchExecutionDescriptor, ctx: ForwardContext,
+                          inputs: list[torch.Tensor]) -> CapturedGraph:
+        parts = self._decoder_parts()
+        if parts is None:
+            return self.capture_backend.capture_model(
+                self._model_forward, inputs, *self._compiled_spec(desc, ctx, inputs))
+        built_s = 0.0 if self._symbolic(desc) else self._symbolic_from_two_rows(desc)
+        symbolic = built_s is not None
+        for batch in dict.fromkeys((symbolic, False)):
+            graph = capture_layers(self.capture_backend, self._model_forward, inputs, parts,
+                                   ctx, _compile_key(desc, ctx, batch), batch)
+            if graph is not None:
+                if built_s:            # compiled on two rows just now: this graph's cost
+                    graph.compile_s = built_s + (graph.compile_s or graph.load_s or 0.0)
+                    graph.load_s = None
+                return graph
+        raise RuntimeError(f"no per-layer compiled graph of {desc.num_tokens_padded} tokens "
+                           "reproduces eager; set GraphManager.per_layer = False")
+
+    def _symbolic_from_two_rows(self, desc: BatchExecutionDescriptor) -> float | None:
+        """A one-row graph binds the symbolic per-layer artifacts (it replays as fast as a
+        static one: SmolLM2 0.97x), built first on a capture batch of two rows if need be
+        (a trace of one row would specialise the batch dimension): the seconds that
+        compile took. None when the batch is never two rows: a static artifact then."""
+        if not self.symbolic_batch or self.runner.max_num_reqs < MIN_DYNAMIC_SIZE:
+            return None
+        compile_s = 0.0
+        if not self.is_ready(desc):
+            rows = dataclasses.replace(desc, num_reqs_padded=MIN_DYNAMIC_SIZE,
+                                       num_tokens_padded=MIN_DYNAMIC_SIZE * desc.num_tokens_padded
+                                       // desc.num_reqs_padded)
+            ids, positions, ctx = self.runner.dummy_batch(rows)
+            with forward_context(ctx):
+                specs = layer_specs(self.capture_backend, self._decoder_parts(), ctx, ids,
+                                    positions, _compile_key(rows, ctx, True), True)
+                compile_s = build_layer_artifacts(self.capture_backend,
+                                                  self._decoder_parts(), specs)
+            self.runner.dummy_batch(desc)      # NOTE: back to the one-row batch's pads
+        return compile_s
+
+    def _decoder_parts(self) -> Any:
+        """The model's forward in pieces, when it has them and graphs are built per layer."""
+        parts = getattr(self.runner.model, "decoder_parts", None)
+        return parts() if parts is not None and self.per_layer else None
+
+    def _symbolic(self, desc: BatchExecutionDescriptor) -> bool:
+        """Whether ``desc``'s compiled graph shares a symbolic-batch artifact."""
+        return self.symbolic_batch and desc.num_reqs_padded >= MIN_DYNAMIC_SIZE
+
     def _compiled_spec(self, desc: BatchExecutionDescriptor, ctx: ForwardContext | None = None,
                        inputs: list[torch.Tensor] | None = None) -> tuple:
         """(named tensors, symbolic dims, graph key, artifact key) of the compiled graph of
@@ -175,7 +246,7 @@ class GraphManager:
             ids, positions, ctx = self.runner.dummy_batch(desc)
             inputs = self._full_inputs(ids, positions, ctx)
         named = self._named_tensors(inputs)
-        batch = self.symbolic_batch and desc.num_reqs_padded >= MIN_DYNAMIC_SIZE
+        batch = self._symbolic(desc)
         dynamic, graph_key = _symbolic_dims(named, ctx, batch), _compile_key(desc, ctx, batch)
         return named, dynamic, graph_key, self.capture_backend.key(named, dynamic, graph_key)
 
@@ -271,6 +342,18 @@ class GraphManager:
         desc = current_descriptor()
         if desc is not None:
             self._poisoners[self._replaying](desc, self._poison_gen)
+
+
+def _no_cpu_pieces(mode: CUDAGraphMode) -> CUDAGraphMode:
+    """The mode without PIECEWISE graphs, for compiled CPU graphs whose pieces would run
+    uncompiled: such a replay is the eager ops plus a copy into static outputs, SLOWER than
+    eager (SmolLM2, 24-token prefill: 1.17x eager's time, ``python -m
+    rung.bench.piecewise_cpu``), and costs a dynamo trace of the whole model (18 s)."""
+    new = CUDAGraphMode.FULL_DECODE_ONLY if mode.has_full() else CUDAGraphMode.NONE
+    logger.info("compiled CPU graphs: cudagraph_mode %s runs as %s (PIECEWISE pieces would "
+                "run uncompiled, slower than eager; compilation_config backend='inductor' "
+                "compiles them)", mode.name, new.name)
+    return new
 
 
 def _compile_key(desc: BatchExecutionDescriptor, ctx: ForwardContext, symbolic_batch: bool

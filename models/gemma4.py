@@ -17,6 +17,7 @@ from rung.models.gemma4_rope import FULL, SLIDING, rope_inv_freqs
 from rung.models.layers import (
     ACTIVATIONS,
     STACKED_PARAMS,
+    DecoderParts,
     GatedMLP,
     MergedLinear,
     RMSNorm,
@@ -358,6 +359,11 @@ class Gemma4ForCausalLM(nn.Module):
         hidden = self.embed_input_ids(input_ids)
         return decoder_layers(self.model.layers, self.model.norm, self.rotary, hidden,
                               positions)
+
+    def decoder_parts(self) -> DecoderParts:
+        """``forward`` in pieces (see DecoderParts)."""
+        return DecoderParts(self.embed_input_ids, self.model.layers, self.rotary,
+                            self.model.norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_reqs, hidden] -> logits [num_reqs, vocab] fp32, softcapped."""

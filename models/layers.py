@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -292,6 +294,18 @@ class RotaryEmbedding(nn.Module):
 
 # (the rotary module, cos, sin [T, 1, rotary_dim]) of one layer type, once per forward
 Rope = tuple[RotaryEmbedding, torch.Tensor, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderParts:
+    """A decoder's forward in the pieces ``forward`` runs them in, for callers that run the
+    layers one by one (compiled CPU graphs compile one layer and call it per layer):
+    ``embed(input_ids)`` [T, H], each layer with the rope of its ``layer_type``, ``norm``."""
+
+    embed: Callable[[torch.Tensor], torch.Tensor]
+    layers: nn.ModuleList
+    rotaries: Mapping[str, RotaryEmbedding]
+    norm: nn.Module
 
 
 def decoder_layers(layers: nn.ModuleList, norm: nn.Module,

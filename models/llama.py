@@ -8,6 +8,7 @@ from torch import nn
 from rung.kernels.attention import Attention
 from rung.models.layers import (
     STACKED_PARAMS,
+    DecoderParts,
     GatedMLP,
     MergedLinear,
     RMSNorm,
@@ -109,6 +110,11 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)                   # [T, hidden]
         return decoder_layers(self.model.layers, self.model.norm,
                               {FULL_ATTENTION: self.model.rotary_emb}, hidden, positions)
+
+    def decoder_parts(self) -> DecoderParts:
+        """``forward`` in pieces (see DecoderParts)."""
+        return DecoderParts(self.model.embed_tokens, self.model.layers,
+                            {FULL_ATTENTION: self.model.rotary_emb}, self.model.norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_reqs, hidden] -> logits [num_reqs, vocab] fp32."""

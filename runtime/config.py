@@ -71,6 +71,10 @@ class CompilationConfig:
     # before LLM(...) returns. "auto": background but for emulated graphs (the tests' oracle)
     # and data parallel (ranks must agree on the graphs they replay).
     graph_startup: str = "auto"
+    # compiled CPU graphs: one artifact per decoder-layer kind, called once per layer
+    # (compile ~25 s for SmolLM2's whole ladder), or False: the whole forward in one artifact
+    # (~6 min cold, ~10% faster at 1 request under load; see README)
+    per_layer_graphs: bool = True
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> CompilationConfig:

@@ -24,6 +24,7 @@ from rung.runtime import LLMEngine, RequestOutput, RequestOutputKind, SamplingPa
 logger = logging.getLogger(__name__)
 
 Prompt = str | dict
+IDLE_GRAPH_POLL_S = 0.2      # how often an idle engine looks for graphs built meanwhile
 
 
 class EngineError(RuntimeError):
@@ -189,7 +190,10 @@ class EngineLoop:
     # --- owner thread -----------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            if not self._drain(block=not self.engine.has_unfinished_requests()):
+            idle = not self.engine.has_unfinished_requests()
+            # NOTE: an idle engine still brings built graphs live, between its commands
+            graphs_pending = idle and self.engine.advance_graphs()
+            if not self._drain(block=idle, timeout=IDLE_GRAPH_POLL_S if graphs_pending else None):
                 return
             if not self.engine.has_unfinished_requests():
                 continue
@@ -206,10 +210,12 @@ class EngineLoop:
             if items:
                 self._call(self._deliver, items)
 
-    def _drain(self, block: bool) -> bool:
-        """Run every queued command (waiting for one if ``block``); False on stop."""
+    def _drain(self, block: bool, timeout: float | None = None) -> bool:
+        """Run every queued command (waiting for one if ``block``, at most ``timeout``
+        seconds); False on stop."""
         try:
-            command = self._commands.get() if block else self._commands.get_nowait()
+            command = self._commands.get(timeout=timeout) if block else (
+                self._commands.get_nowait())
         except queue.Empty:
             return True
         while True:

@@ -1,9 +1,12 @@
 """Graphs without the wait: LLM(...) serves eagerly from its first step while graphs go
 live one at a time between steps; tokens never change across the eager -> graph switch."""
 
+import time
+
 import pytest
 
 from rung.runtime import LLM, SamplingParams
+from rung.server.engine_loop import IDLE_GRAPH_POLL_S
 
 KWARGS = dict(max_num_seqs=4, max_model_len=64, num_gpu_blocks_override=32)
 PROMPTS = [[1, 72, 105, 33], [1, 5, 9, 200, 17, 3, 41, 8, 77], [1, 300], [1, 7, 7, 7, 2]]
@@ -33,6 +36,20 @@ def test_requests_start_eager_and_finish_on_graphs_with_the_same_tokens(debug_pa
     assert "FULL:4" in stats["graphs"]["live"]
     assert _tokens(llm) == want
     assert llm.engine.stats()["graph_replays"].get("FULL:4", 0) > 0
+
+
+def test_an_idle_engine_brings_its_graphs_live():
+    llm = LLM("tiny-llama", compilation_config={"graph_startup": "background",
+                                                "cudagraph_capture_sizes": [1, 2]}, **KWARGS)
+    engine = llm.engine
+    assert engine.stats()["graphs"]["live"] == []
+    deadline = time.monotonic() + 60
+    while engine.advance_graphs():          # what a server's idle engine owner calls
+        assert time.monotonic() < deadline
+        time.sleep(IDLE_GRAPH_POLL_S)
+    graphs = engine.stats()["graphs"]
+    assert graphs["done"] and set(graphs["live"]) >= {"FULL:1", "FULL:2"}
+    assert engine.stats()["eager_steps"] == 0 and not engine.has_unfinished_requests()
 
 
 def test_blocking_startup_has_every_graph_live_before_it_returns():

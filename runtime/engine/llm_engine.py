@@ -124,6 +124,14 @@ class LLMEngine:
         """Bring every graph live now (at most ``timeout`` seconds); True when all are."""
         return self.graph_startup is None or self.graph_startup.wait(timeout)
 
+    def advance_graphs(self) -> bool:
+        """An idle engine's tick: at most one more built graph goes live, as before a step;
+        True while graphs are still pending."""
+        if self.graph_startup is None:
+            return False
+        self.graph_startup.advance()
+        return not self.graph_startup.all_live
+
     def has_unfinished_requests(self) -> bool:
         """Requests still running or waiting, or outputs still to be returned by step()."""
         return self.scheduler.has_unfinished() or bool(self._requeued)

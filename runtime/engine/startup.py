@@ -5,9 +5,11 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import threading
 import time
 from typing import Callable
 
+import torch
 from tqdm import tqdm
 
 from rung.graphs.backends import resolve_graph_backend
@@ -29,6 +31,9 @@ logger = logging.getLogger(__name__)
 def load_target(config: EngineConfig) -> tuple[LoadedModel, int]:
     """The model to serve and its max_model_len (ValueError for a drafter or a length
     above the model's own)."""
+    if not config.enforce_eager and resolve_graph_backend(
+            config.compilation.graph_backend, torch.device(config.device)) == "compiled":
+        _import_inductor_meanwhile()
     loaded = load_model(config.model, config.dtype, str(config.device), config.load_format,
                         quantization=config.quantization)
     if isinstance(loaded.model, DraftModel):
@@ -41,6 +46,14 @@ def load_target(config: EngineConfig) -> tuple[LoadedModel, int]:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                          f"max_position_embeddings={model_max}")
     return loaded, max_model_len
+
+
+def _import_inductor_meanwhile() -> None:
+    """Import inductor (which loads compiled graphs) in a thread while the model loads:
+    seconds of Python that would otherwise delay the first graph, or a step."""
+    def run() -> None:
+        import torch._inductor.standalone_compile  # noqa: F401
+    threading.Thread(target=run, name="rung-import-inductor", daemon=True).start()
 
 
 def make_proposer(config: EngineConfig, runner: ModelRunner) -> Proposer:
@@ -73,8 +86,10 @@ def make_graph_manager(runner: ModelRunner, config: EngineConfig) -> GraphManage
     compiled = resolve_graph_backend(comp.graph_backend, runner.device) == "compiled"
     cache = artifact_cache(runner, config) if compiled else None
     _warn_if_batches_run_eagerly(sizes, config)
-    return GraphManager(runner, comp.cudagraph_mode, sizes, 1 + config.num_spec_tokens,
-                        comp.backend, comp.graph_backend, config.debug_padding, cache)
+    graphs = GraphManager(runner, comp.cudagraph_mode, sizes, 1 + config.num_spec_tokens,
+                          comp.backend, comp.graph_backend, config.debug_padding, cache)
+    graphs.per_layer = comp.per_layer_graphs
+    return graphs
 
 
 def _warn_if_batches_run_eagerly(sizes: list[int], config: EngineConfig) -> None:
@@ -123,7 +138,9 @@ class GraphStartup:
         if startup == "background" and getattr(graphs.capture_backend, "cache", None) is not None:
             prefetch = start_prefetch(config, max_model_len)
         self.builder = GraphBuilder(graphs, after, progress, prefetch)
-        self.all_live = False            # every graph live: nothing left to advance
+        # NOTE: a plain flag, read before every step: once all is live, a step pays one
+        # attribute read here, no call into the builder
+        self.all_live = self.builder.done
         if startup == "background":
             logger.info("serving eagerly from the first step; %d graphs go live as they are "
                         "built (%s); llm.wait_for_graphs() waits for them", total,
@@ -137,18 +154,17 @@ class GraphStartup:
         """Bring every graph live now (at most ``timeout`` seconds); True when all are."""
         done = self.builder.wait(timeout)
         if done:
-            self.bar.close()
             self.all_live = True
+            self.bar.close()
         return done
 
     def advance(self) -> None:
-        """Between two steps: at most one more graph goes live (see GraphBuilder); the
-        engine stops calling once ``all_live``."""
-        if not self.builder.done:
+        """Between two steps: at most one more graph goes live (see GraphBuilder)."""
+        if not self.all_live:
             self.builder.advance()
-        if self.builder.done:
-            self.bar.close()
-            self.all_live = True
+            if self.builder.done:
+                self.all_live = True
+                self.bar.close()
 
 
 def _log_captured(graphs: GraphManager, seconds: float) -> None:

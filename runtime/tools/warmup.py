@@ -66,7 +66,9 @@ def _artifact_lines(records: list[dict]) -> list[str]:
         compile_s = sum(r["compile_s"] or 0.0 for r in rs)
         load_s = sum(r["load_s"] or 0.0 for r in rs)
         how = f"compiled in {compile_s:.1f} s" if compile_s else "loaded"
-        lines.append(f"artifact {key[:12]}: sizes {sorted(r['num_tokens_padded'] for r in rs)}, "
+        # NOTE: a per-layer graph names the artifacts of its layer kinds, "+"-joined
+        name = "+".join(k[:12] for k in key.split("+"))
+        lines.append(f"artifact {name}: sizes {sorted(r['num_tokens_padded'] for r in rs)}, "
                      f"{how}, bound/loaded in {load_s:.1f} s")
     if by_artifact:
         total_compile = sum(r["compile_s"] or 0.0 for r in records)
