@@ -50,6 +50,27 @@ def test_first_round_drafts_equal_hf_assistant(folders, graphs):
         assert list(engine.proposer.graph_replays) == ["FULL:2"]
 
 
+def test_drafts_after_every_verify_step_equal_hf_assistant(folders):
+    """The drafter runs inside the target step, from state the device moved past the
+    accepted drafts: after every step its drafts equal HF's drafter on the tokens the step
+    committed."""
+    hf_target, hf_assistant = folders[0], folders[1]
+    engine = _llm(folders, graphs=False).engine
+    for i, prompt in enumerate(_prompts()):
+        engine.add_request(f"p{i}", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for req in engine.scheduler.running:
+            if req.spec_token_ids:
+                tokens = torch.tensor(req.token_ids[:-1])   # the last one is not in the KV
+                want, _ = hf_drafts(hf_target, hf_assistant, tokens, NUM_DRAFTS)
+                assert req.spec_token_ids == want, f"after {req.num_output_tokens} tokens"
+                checked += req.num_output_tokens > 1      # drafted after a verify step
+    assert checked >= 2 * (NUM_TOKENS // 2)
+
+
 def test_hf_assisted_generate_equals_rung(folders):
     hf_target, hf_assistant = folders[0], folders[1]
     hf_assistant.generation_config.num_assistant_tokens = NUM_DRAFTS
