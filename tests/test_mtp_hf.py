@@ -52,13 +52,14 @@ def test_first_round_drafts_equal_hf_assistant(folders, graphs):
         assert list(engine.proposer.graph_replays) == ["FULL:2"]
 
 
-def test_drafts_after_every_verify_step_equal_hf_assistant(folders):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_drafts_after_every_verify_step_equal_hf_assistant(folders, graphs):
     """The drafter runs inside the target step, from a batch the device moved past each
     request's accepted drafts: after every step its drafts equal HF's drafter on the
     tokens the step committed. The test plants drafts the target accepts in part (0 to k
     of HF's own greedy continuation), so every accepted count is exercised."""
     hf_target, hf_assistant = folders[0], folders[1]
-    engine = _llm(folders, graphs=False).engine
+    engine = _llm(folders, graphs).engine
     greedy = {}
     for i, prompt in enumerate(_prompts()):
         engine.add_request(f"p{i}", {"prompt_token_ids": prompt},
@@ -84,6 +85,8 @@ def test_drafts_after_every_verify_step_equal_hf_assistant(folders):
             req.set_drafts((planted + follow)[:len(req.spec_token_ids)])
     stats = engine.stats()["spec"]
     assert sum(checked.values()) >= 8 and all(stats["acceptance_per_position"]), stats
+    if graphs:
+        assert any(k.startswith("FULL") for k in engine.proposer.graph_replays)
 
 
 def test_hf_assisted_generate_equals_rung(folders):
