@@ -144,6 +144,7 @@ def measure(name: str, num_reqs: int, max_tokens: int, debug_padding: bool,
     llm = LLM(model, dtype="float32", device=device, max_num_seqs=num_reqs,
               max_model_len=128, speculative_config=spec, debug_padding=debug_padding,
               compilation_config=graphs)
+    llm.wait_for_graphs()     # NOTE: the compiled backend builds its graphs in a subprocess
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=None, **sampling)
 
     def add(engine) -> None:

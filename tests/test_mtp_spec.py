@@ -150,3 +150,23 @@ def test_draft_graphs_are_captured_under_the_descriptors_a_draft_step_replays():
     replayed = {shape(proposer.dispatcher.dispatch(n, n, 1)) for n in range(1, 3)}
     assert replayed and replayed <= captured, (replayed, captured)
     assert len(llm.engine.runner.graphs.records) > len(proposer.captured) > 0
+
+
+
+def test_mtp_with_logprobs_and_prompt_logprobs_in_the_same_copy():
+    """Tokens, logprobs, prompt logprobs and the drafts share the step's one packed copy:
+    with all of them asked, MTP gives what the target alone gives."""
+    prompts = _prompts(3, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=1)
+    want = LLM("tiny-gemma4", enforce_eager=True, **ENGINE).generate(prompts, params)
+    llm = LLM("tiny-gemma4", speculative_config=_mtp(3), enforce_eager=True, **ENGINE)
+    got = llm.generate(prompts, params)
+    assert llm.engine.stats()["spec"]["num_accepted_tokens"] > 0
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for got_lps, want_lps in zip(g.outputs[0].logprobs + g.prompt_logprobs[1:],
+                                     w.outputs[0].logprobs + w.prompt_logprobs[1:]):
+            assert got_lps.keys() == want_lps.keys()
+            for token, lp in want_lps.items():
+                assert abs(got_lps[token].logprob - lp.logprob) < 1e-4

@@ -173,7 +173,8 @@ class LLMEngine:
                 result = self.runner.execute(sched, sched.block_ids)
             else:
                 result = self.runner.execute(sched, sched.block_ids,
-                                             dp_step.num_tokens_across_dp())
+                                             dp_step.num_tokens_across_dp(),
+                                             dp_step.num_draft_tokens_across_dp())
             self._stats.steps[result.desc.mode, result.desc.num_tokens_padded] += 1
             for listener in self._step_listeners:
                 listener(result)

@@ -3,6 +3,13 @@
 Every draft round runs one query per REAL request of the target step, at the position of
 the request's last token, against the target's KV of the earlier positions through the
 block table of the KV cache group the drafter's layer reads. The drafter writes no KV.
+
+The drafter runs inside the target step (the runner's `DeviceDrafter` hook), between the
+sampler and the step's one host copy, and its drafts come back in that copy: where each
+request's last token is depends on how many drafts it accepted, which only the device knows
+then, so the draft batch is written from the request's state before the step and moved
+past its accepted drafts on the device (`DraftBatch.advance`). The request state machine
+is untouched: the engine still sets the drafts after the commit (``Request.set_drafts``).
 """
 
 from __future__ import annotations
@@ -24,10 +31,16 @@ from rung.models.loader import DRAFT_WEIGHT_SEED, load_model
 from rung.models.registry import DraftModel
 from rung.runtime.config import EngineConfig
 from rung.runtime.sched.request import Request
+from rung.runtime.sched.scheduler import ScheduledRequest, SchedulerOutput
 from rung.runtime.spec.proposer import Proposer, check_draft_rows
 from rung.runtime.worker.attention_groups import build_attention_groups, build_layer_metadata
 from rung.runtime.worker.input_batch import PaddedBatch
-from rung.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput, find_attention_layers
+from rung.runtime.worker.model_runner import (
+    ModelRunner,
+    ModelRunnerOutput,
+    SampledOnDevice,
+    find_attention_layers,
+)
 
 _DRAFT = "draft"           # the drafter's graphs in the graph manager (records: DRAFT_FULL)
 
@@ -47,20 +60,50 @@ class DraftBatch(PaddedBatch):
         self.hidden = torch.zeros(max_num_reqs, backbone_hidden, dtype=dtype,
                                   device=device)                   # [max_num_reqs, backbone]
 
-    def fill(self, reqs: list[Request], target_block_tables: list[np.ndarray],
-             desc: BatchExecutionDescriptor) -> None:
-        """Real rows from the requests, then the contract's pad values (`pad`)."""
+    def fill(self, scheduled: list[ScheduledRequest], target_block_tables: list[np.ndarray],
+             desc: BatchExecutionDescriptor) -> int:
+        """Real rows from the target step's requests, as they were before it, then the
+        contract's pad values (`pad`). Returns a host bound of every real row's seq_len
+        once `advance` has run (the eager KV width, read without a sync).
+
+        A request that samples this step gets ``accepted + 1`` tokens: its query sits at
+        ``num_tokens + accepted`` and sees ``num_computed + own tokens + accepted`` keys;
+        `advance` adds the ``accepted`` on the device. A prefill chunk that samples nothing
+        keeps its last token (its drafts are never used).
+        """
         n = desc.num_reqs
-        self.input_ids.np[:n] = [r.token_ids[-1] for r in reqs]
         # NOTE: the last token is not in the KV yet; the drafter sees positions < seq_len
-        self.positions.np[:n] = [r.num_tokens - 1 for r in reqs]
-        self.seq_lens.np[:n] = [r.num_computed_tokens for r in reqs]
+        self.input_ids.np[:n] = [s.request.token_ids[-1] for s in scheduled]
+        self.positions.np[:n] = [s.request.num_tokens - 1 + s.samples for s in scheduled]
+        seq_lens = [s.request.num_computed_tokens + s.num_new_tokens - s.num_spec_tokens
+                    for s in scheduled]
+        self.seq_lens.np[:n] = seq_lens
         self.query_start_loc.np[:n + 1] = np.arange(n + 1)       # one query per request
         for bt, sm, target in zip(self.block_tables, self.slot_mappings, target_block_tables):
             bt.np[:n] = target[:n]
             sm.np[:n] = PAD_SLOT_ID
         self._num_reqs, self._num_tokens = n, desc.num_tokens
         self.pad(desc)
+        return max((seq + s.num_spec_tokens for seq, s in zip(seq_lens, scheduled)),
+                   default=0)
+
+    def advance(self, sampled: SampledOnDevice | None, hidden: torch.Tensor | None,
+                desc: BatchExecutionDescriptor) -> None:
+        """On the device: each sampling request's row moves past its accepted drafts (last
+        token, position, seq_len), and every real row takes the target's hidden state at
+        the token row whose logits gave its last token (row 0 for one that sampled
+        nothing)."""
+        n = desc.num_reqs
+        if n:
+            hidden_rows = torch.zeros(n, dtype=torch.int64, device=self.hidden.device)
+            if sampled is not None:
+                rows, accepted, last = sampled.req_rows, sampled.accepted, sampled.last_rows()
+                self.input_ids.gpu[rows] = sampled.tokens[last]
+                self.positions.gpu[rows] += accepted
+                self.seq_lens.gpu[rows] += accepted.to(self.seq_lens.gpu.dtype)
+                hidden_rows[rows] = sampled.logits_indices[last]
+            self.hidden[:n].copy_(hidden[hidden_rows])                 # [num_reqs, H]
+        self.hidden[n:desc.num_tokens_padded].zero_()
 
     def poison_pads(self, desc: BatchExecutionDescriptor, generator: torch.Generator,
                     vocab_size: int, max_position: int) -> None:
@@ -101,6 +144,7 @@ class MtpProposer(Proposer):
         self.captured: list[BatchExecutionDescriptor] = []   # draft graphs, by descriptor
         self.graph_replays: collections.Counter = collections.Counter()   # "MODE:rows" -> steps
         self._poison_rng = np.random.default_rng(config.seed + 7)
+        runner.use_drafter(self)           # drafts inside every target step (`draft`)
 
     @classmethod
     def build(cls, config: EngineConfig, runner: ModelRunner) -> MtpProposer:
@@ -175,17 +219,24 @@ class MtpProposer(Proposer):
 
     # --- one draft step -------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, desc: BatchExecutionDescriptor, reqs: list[Request],
-                result: ModelRunnerOutput,
-                num_tokens_across_dp: tuple[int, ...] | None = None) -> list[list[int]]:
-        check_draft_rows(desc, reqs)
-        if not reqs:
-            return []
+    def draft(self, desc: BatchExecutionDescriptor, sched: SchedulerOutput,
+              hidden: torch.Tensor, sampled: SampledOnDevice | None,
+              num_tokens_across_dp: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The runner's `DeviceDrafter` hook, inside the target step: drafts
+        [num_reqs, k] int64 on the device, nothing read back."""
+        check_draft_rows(desc, [s.request for s in sched.scheduled])
         # NOTE: request rows (metadata, block tables) follow the real requests of
         # for_drafting(); only token rows pad to the data-parallel size (failure class 3).
         draft_desc = self.dispatcher.dispatch(desc.num_reqs, desc.num_reqs, 1,
                                               num_tokens_across_dp)
-        return self._run(draft_desc, reqs, result)[:desc.num_reqs].tolist()
+        return self._run(draft_desc, sched.scheduled, hidden, sampled)[:desc.num_reqs]
+
+    def propose(self, desc: BatchExecutionDescriptor, reqs: list[Request],
+                result: ModelRunnerOutput,
+                num_tokens_across_dp: tuple[int, ...] | None = None) -> list[list[int]]:
+        """The drafts `draft` made inside the target step; they came back in its copy."""
+        check_draft_rows(desc, reqs)
+        return result.drafts if result.drafts is not None else []
 
     @torch.inference_mode()
     def propose_dummy(self, num_tokens_across_dp: tuple[int, ...]) -> None:
@@ -193,36 +244,29 @@ class MtpProposer(Proposer):
         draft_desc = self.dispatcher.dispatch(0, 0, 1, num_tokens_across_dp)
         if draft_desc.mode == CUDAGraphMode.NONE:
             draft_desc = BatchExecutionDescriptor.dp_dummy(num_tokens_across_dp)
-        self._run(draft_desc, [], None)
+        self._run(draft_desc, [], None, None)
 
-    def _run(self, draft_desc: BatchExecutionDescriptor, reqs: list[Request],
-             result: ModelRunnerOutput | None) -> torch.Tensor:
+    def _run(self, draft_desc: BatchExecutionDescriptor, scheduled: list[ScheduledRequest],
+             hidden: torch.Tensor | None, sampled: SampledOnDevice | None) -> torch.Tensor:
         """k draft rounds -> drafts [num_tokens_padded, k]; real rows first."""
         self.graph_replays[f"{draft_desc.mode.name}:{draft_desc.num_reqs_padded}"] += 1
         if self.config.debug_padding:
             self.batch.poison(self._poison_rng, self.runner.vocab_size, self.runner.num_blocks)
-        self.batch.fill(reqs, self._target_block_tables(), draft_desc)
-        self._gather_hidden(reqs, result, draft_desc)
+        max_seq_len = self.batch.fill(scheduled, self._target_block_tables(), draft_desc)
+        self.batch.advance(sampled, hidden, draft_desc)
         inputs = self.batch.graph_inputs(draft_desc)
-        with forward_context(self._context(draft_desc)):
+        with forward_context(self._context(draft_desc, max_seq_len)):
             if draft_desc.mode == CUDAGraphMode.FULL:
                 return self.graphs.replay(_DRAFT, self.dispatcher.graph_key(draft_desc),
                                           inputs)
             return self._draft_rounds(*inputs)
 
-    def _gather_hidden(self, reqs: list[Request], result: ModelRunnerOutput | None,
-                       desc: BatchExecutionDescriptor) -> None:
-        """Target hidden state of each request's last sampled token (its logits row)."""
-        n = desc.num_reqs
-        if n:
-            rows = [result.hidden_rows.get(r.request_id, 0) for r in reqs]
-            self.batch.hidden[:n].copy_(result.hidden[rows])               # [num_reqs, H]
-        self.batch.hidden[n:desc.num_tokens_padded].zero_()
-
-    def _context(self, desc: BatchExecutionDescriptor) -> ForwardContext:
+    def _context(self, desc: BatchExecutionDescriptor, max_seq_len: int = 1
+                 ) -> ForwardContext:
+        """``max_seq_len``: a host bound of the real rows' seq_lens (eager KV width)."""
         full = desc.mode == CUDAGraphMode.FULL
-        real_max = int(self.batch.seq_lens.np[:desc.num_reqs].max(initial=0))
-        max_seq_len = self.runner.max_model_len if full else max(real_max, 1)
+        max_seq_len = (self.runner.max_model_len if full
+                       else min(max(max_seq_len, 1), self.runner.max_model_len))
         commons = self.batch.metadata_views(desc, 1, max_seq_len)
         per_layer = build_layer_metadata(self.attn_groups, commons, self.config.debug_padding)
         return ForwardContext(desc, per_layer, self.layers)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 import torch
@@ -49,12 +49,43 @@ class ModelRunnerOutput:
     desc: BatchExecutionDescriptor                   # how the step ran (real and padded counts)
     sampled: dict[str, list[int]]                    # request id -> new tokens (maybe none)
     logprobs: dict[str, list[dict[int, Logprob]]]    # request id -> one dict per new token
-    hidden_rows: dict[str, int]   # request id -> token row whose logits gave its last token
     hidden: torch.Tensor          # [num_tokens_padded, hidden] the target's last hidden states
     logits: torch.Tensor          # [num_logits, vocab] at layout.logits_indices
     # request id -> (position of its first entry, one dict per prompt token from there)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = dataclasses.field(
         default_factory=dict)
+    # a device drafter's k drafts per scheduled request (row order), back in the step's one
+    # copy; None without one, or when no request sampled
+    drafts: list[list[int]] | None = None
+
+
+@dataclasses.dataclass
+class SampledOnDevice:
+    """A step's verified tokens while only the device has them: what a drafter reads to
+    start from each request's last token without a host round trip."""
+
+    tokens: torch.Tensor          # [num_logits] int64, the sampler's token per logits row
+    accepted: torch.Tensor        # [num_sampling] int64, drafts kept per sampling request
+    req_rows: torch.Tensor        # [num_sampling] int64, its row in the scheduler output
+    starts: torch.Tensor          # [num_sampling] int64, its first logits row
+    logits_indices: torch.Tensor  # [num_logits] int64, the token row of each logits row
+
+    def last_rows(self) -> torch.Tensor:
+        """[num_sampling] the logits row of each sampling request's last emitted token."""
+        return self.starts + self.accepted
+
+
+class DeviceDrafter(Protocol):
+    """A proposer whose drafts are computed inside the target step, on the device, before
+    the step's one host copy (MTP): they come back in that copy, as ``out.drafts``."""
+
+    def draft(self, desc: BatchExecutionDescriptor, sched: SchedulerOutput,
+              hidden: torch.Tensor, sampled: SampledOnDevice | None,
+              num_tokens_across_dp: tuple[int, ...] | None) -> torch.Tensor:
+        """``desc``: the step's ``for_drafting()``; ``hidden`` [num_tokens_padded, H] the
+        target's; ``sampled`` None when no request sampled (data parallel still drafts, for
+        the collectives). -> drafts [desc.num_reqs, k] int64 on the device."""
+        ...
 
 
 def find_attention_layers(model: torch.nn.Module) -> dict[str, Attention]:
@@ -86,6 +117,7 @@ class ModelRunner:
         # NOTE: without graphs, a dispatcher with no graph: every batch dispatches eager
         self.dispatcher = Dispatcher(CUDAGraphMode.NONE, [], config.max_num_seqs,
                                      1 + config.num_spec_tokens)
+        self.drafter: DeviceDrafter | None = None     # see use_drafter
         self._descriptor_hooks: list[DescriptorHook] = []
         self._poison_rng = np.random.default_rng(config.seed)
 
@@ -147,6 +179,11 @@ class ModelRunner:
         self.graphs = graphs
         self.dispatcher = graphs.dispatcher
 
+    def use_drafter(self, drafter: DeviceDrafter) -> None:
+        """Every later step runs ``drafter`` after its sampler and packs the drafts into its
+        one host copy."""
+        self.drafter = drafter
+
     def add_descriptor_hook(self, hook: DescriptorHook) -> Callable[[], None]:
         """Every step's descriptor goes through ``hook(desc, num_tokens_across_dp)``, which
         returns the one the step runs (a tool that pads to another captured size, e.g.
@@ -159,8 +196,11 @@ class ModelRunner:
     # -> sample
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ids: list[list[list[int]]],
-                num_tokens_across_dp: tuple[int, ...] | None = None) -> ModelRunnerOutput:
-        """``num_tokens_across_dp``: data parallel only, what the DP sync agreed on."""
+                num_tokens_across_dp: tuple[int, ...] | None = None,
+                num_draft_tokens_across_dp: tuple[int, ...] | None = None
+                ) -> ModelRunnerOutput:
+        """``num_tokens_across_dp`` / ``num_draft_tokens_across_dp``: data parallel only,
+        the target / draft sizes the DP sync agreed on."""
         if self.config.debug_padding:
             self.input_batch.poison(self._poison_rng, self.vocab_size, self.num_blocks)
         layout = self.input_batch.prepare(sched, block_ids)
@@ -175,8 +215,8 @@ class ModelRunner:
         rows = to_device(self.device, layout.logits_indices)     # NOTE: non_blocking
         logits = self.model.compute_logits(hidden[rows])          # [num_logits, vocab]
         out = ModelRunnerOutput(desc, {s.request.request_id: [] for s in sched.scheduled},
-                                {}, {}, hidden, logits)
-        self._sample(sched, layout, logits, out)
+                                {}, hidden, logits)
+        self._sample(sched, layout, logits, out, num_draft_tokens_across_dp)
         return out
 
     @torch.inference_mode()
@@ -227,37 +267,59 @@ class ModelRunner:
         return self.model_inputs(desc, layout)
 
     def _sample(self, sched: SchedulerOutput, layout: BatchLayout, logits: torch.Tensor,
-                out: ModelRunnerOutput) -> None:
-        """Sampled tokens (and logprobs, prompt logprobs) of every request into ``out``: one
-        batched pass on the device (sampler, then verification of drafts), then ONE
-        device-to-host copy."""
-        reqs, drafts, wants_prompt = [], [], False
-        for s, n in zip(sched.scheduled, layout.num_logits_per_req):
+                out: ModelRunnerOutput,
+                num_draft_tokens_across_dp: tuple[int, ...] | None = None) -> None:
+        """Sampled tokens (and logprobs, prompt logprobs, a device drafter's drafts) of every
+        request into ``out``: one batched pass on the device (sampler, verification of
+        drafts, the drafter), then ONE device-to-host copy."""
+        reqs, drafts, req_rows, wants_prompt = [], [], [], False
+        for i, (s, n) in enumerate(zip(sched.scheduled, layout.num_logits_per_req)):
             if n:                    # NOTE: request order = logits row order, 1 + k rows each
                 reqs.append(s.request)
                 drafts.append(s.request.spec_token_ids[:n - 1])
+                req_rows.append(i)
             wants_prompt |= s.request.params.prompt_logprobs is not None
         prompt = self._prompt_rows(sched) if wants_prompt else []
-        if not reqs and not prompt:
+        drafting = self.drafter is not None and (
+            bool(reqs) or num_draft_tokens_across_dp is not None)
+        if not reqs and not prompt and not drafting:
             return
-        parts, num_top = [], None
+        parts, num_top, sampled = [], None, None
         if reqs:
             batch = SamplingBatch.build(reqs, drafts, self.config.seed, self.vocab_size,
                                         self.device)
             tokens = self.sampler(logits, batch)                   # [num_logits] int64
             parts = [tokens.double()]
+            if batch.num_drafts or drafting:
+                accepted = num_accepted(tokens, batch)             # [num_reqs] int64
             if batch.num_drafts:
-                parts.append(num_accepted(tokens, batch).double())  # [num_reqs] int64
+                parts.append(accepted.double())
             num_top = max((n for n in batch.num_logprobs if n is not None), default=None)
             if num_top is not None:
                 parts.append(token_logprobs(logits, tokens, num_top).double().flatten())
+            if drafting:
+                sampled = SampledOnDevice(
+                    tokens, accepted, to_device(self.device, np.asarray(req_rows)),
+                    to_device(self.device, batch.starts),
+                    to_device(self.device, layout.logits_indices))
         if prompt:
             parts.append(self._prompt_logprobs(out.hidden, prompt).double().flatten())
+        if drafting:
+            # NOTE: queued behind the sampler, before the copy: no host round trip between
+            proposed = self.drafter.draft(out.desc.for_drafting(), sched, out.hidden,
+                                          sampled, num_draft_tokens_across_dp)
+            if reqs:                                              # [num_reqs, k]
+                parts.append(proposed.double().flatten())
+        if not parts:
+            return
+        # NOTE: the step's one copy
         host = self.host_output.fetch(torch.cat(parts) if len(parts) > 1 else parts[0])
         if reqs:
-            host = self._unpack(host, reqs, batch, num_top, layout, out)
+            host = self._unpack(host, reqs, batch, num_top, out)
         if prompt:
-            _unpack_prompt(host, prompt, out)
+            host = _unpack_prompt(host, prompt, out)
+        if drafting and reqs:
+            out.drafts = host.astype(np.int64).reshape(sched.num_reqs, -1).tolist()
 
     def _prompt_rows(self, sched: SchedulerOutput) -> list[tuple[Request, int, int, int]]:
         """(request, first token row, first position, count) of the prompt positions whose
@@ -283,8 +345,7 @@ class ModelRunner:
         return token_logprobs(logits, to_device(self.device, nexts), num_top)
 
     def _unpack(self, host: np.ndarray, reqs: list[Request], batch: SamplingBatch,
-                num_top: int | None, layout: BatchLayout, out: ModelRunnerOutput
-                ) -> np.ndarray:
+                num_top: int | None, out: ModelRunnerOutput) -> np.ndarray:
         """host: [num_rows] tokens, [num_reqs] accepted when any request verified drafts,
         then [num_rows, 2 + 2 * num_top] logprobs (`token_logprobs`) when any request asked.
         Returns what follows."""
@@ -301,7 +362,6 @@ class ModelRunner:
         for req, start, n_acc in zip(reqs, batch.starts.tolist(), accepted):
             rows = range(start, start + n_acc + 1)
             out.sampled[req.request_id] = tokens[start:start + n_acc + 1].tolist()
-            out.hidden_rows[req.request_id] = int(layout.logits_indices[rows[-1]])
             if req.params.logprobs is not None:
                 out.logprobs[req.request_id] = [
                     _logprob_dict(int(tokens[r]), lps[r], req.params.logprobs) for r in rows]
@@ -309,9 +369,13 @@ class ModelRunner:
 
 
 def _unpack_prompt(host: np.ndarray, prompt: list[tuple[Request, int, int, int]],
-                   out: ModelRunnerOutput) -> None:
-    """host: [num_prompt_rows, 2 + 2 * num_top] (`_prompt_logprobs`) -> out.prompt_logprobs."""
-    lps = host.reshape(sum(n for *_, n in prompt), -1)
+                   out: ModelRunnerOutput) -> np.ndarray:
+    """host: [num_prompt_rows, 2 + 2 * num_top] (`_prompt_logprobs`) -> out.prompt_logprobs.
+    Returns what follows."""
+    num_rows = sum(n for *_, n in prompt)
+    num_top = max(req.params.prompt_logprobs for req, *_ in prompt)
+    end = num_rows * (2 + 2 * num_top)
+    lps = host[:end].reshape(num_rows, -1)
     row = 0
     for req, _, first, n in prompt:
         ids = req.prompt_token_ids[first + 1:first + 1 + n]
@@ -319,6 +383,7 @@ def _unpack_prompt(host: np.ndarray, prompt: list[tuple[Request, int, int, int]]
             _logprob_dict(t, lps[row + i], req.params.prompt_logprobs)
             for i, t in enumerate(ids)])
         row += n
+    return host[end:]
 
 
 class HostOutput:
