@@ -17,7 +17,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from rung.core.forward_context import get_forward_context
+from rung.core.descriptor import BatchExecutionDescriptor
+from rung.core.forward_context import ForwardContext, get_forward_context
 from rung.graphs.artifact_cache import ArtifactCache, artifact_key, bind_inputs, input_names
 from rung.graphs.capture import CapturedGraph, EmulatedGraphBackend, memory_identity
 
@@ -310,3 +311,41 @@ class CompiledGraphBackend(EmulatedGraphBackend):
         graph.outputs = graph._run()     # outputs of the pad-only capture batch; sizes nbytes
         graph.nbytes = graph.outputs.numel() * graph.outputs.element_size()
         return graph
+
+
+def compile_key(desc: BatchExecutionDescriptor, ctx: ForwardContext, symbolic_batch: bool
+                ) -> dict[str, Any]:
+    """What a traced forward specialises on besides tensor shapes.
+
+    NOTE: inlined attention reads the block size alone of the metadata's constants (it
+    covers every column of the block table it is handed): max_seq_len and max_query_len
+    follow max_model_len and the batch, and would split the cache for nothing.
+    """
+    block_sizes = {m.block_size for m in (getattr(x, "common", x)
+                                          for x in ctx.attn_metadata.values())}
+    key = {"mode": desc.mode.name, "uniform_query_len": desc.uniform_query_len,
+           "block_sizes": sorted(block_sizes)}
+    if symbolic_batch:
+        return {**key, "symbolic_batch": True}
+    return {**key, "num_tokens_padded": desc.num_tokens_padded,
+            "num_reqs_padded": desc.num_reqs_padded}
+
+
+def symbolic_dims(named: dict[str, torch.Tensor], ctx: ForwardContext, batch: bool
+                  ) -> dict[str, tuple[int, ...]]:
+    """Dimensions a compiled forward traces as symbols, by tensor name: each KV cache's
+    block count (dim 1 of [2, num_blocks, block_size, kv_heads, head_dim]), each block
+    table's width (blocks read per request, cut at each replay) and, with ``batch``, the
+    leading (token or request) dimension of every input buffer view, so one artifact
+    serves every ladder size."""
+    tables = {memory_identity(getattr(m, "common", m).block_table)
+              for m in ctx.attn_metadata.values()}
+    dims: dict[str, tuple[int, ...]] = {}
+    for name, t in named.items():
+        wide = t.dim() > 1 and t.shape[1] >= MIN_DYNAMIC_SIZE
+        if name.startswith("kv.") and wide:
+            dims[name] = (1,)
+        elif name.startswith("input."):
+            dims[name] = ((0,) if batch else ()) + ((1,) if memory_identity(t) in tables
+                                                     and wide else ())
+    return {name: d for name, d in dims.items() if d}

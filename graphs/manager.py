@@ -19,8 +19,8 @@ from rung.core.forward_context import (
 )
 from rung.core.graph_mode import CUDAGraphMode
 from rung.graphs.backends import make_capture_backend, resolve_graph_backend
-from rung.graphs.capture import CapturedGraph, Outputs, memory_identity
-from rung.graphs.compiled import MIN_DYNAMIC_SIZE, CompiledGraphBackend
+from rung.graphs.capture import CapturedGraph, Outputs
+from rung.graphs.compiled import MIN_DYNAMIC_SIZE, CompiledGraphBackend, compile_key, symbolic_dims
 from rung.graphs.compiler import compile_model
 from rung.graphs.dispatcher import Dispatcher, downgrade
 from rung.graphs.layered import build_layer_artifacts, capture_layers, layer_specs
@@ -153,7 +153,7 @@ class GraphManager:
                                             or self.runner.max_num_reqs >= MIN_DYNAMIC_SIZE)
         with torch.no_grad():
             specs = layer_specs(self.capture_backend, parts, ctx, ids, positions,
-                                _compile_key(desc, ctx, symbolic), symbolic)
+                                compile_key(desc, ctx, symbolic), symbolic)
         return tuple(dict.fromkeys(spec[-1] for spec in specs))
 
     def _capture(self, desc: BatchExecutionDescriptor) -> CaptureRecord:
@@ -199,7 +199,7 @@ class GraphManager:
         symbolic = built_s is not None
         for batch in dict.fromkeys((symbolic, False)):
             graph = capture_layers(self.capture_backend, self._model_forward, inputs, parts,
-                                   ctx, _compile_key(desc, ctx, batch), batch)
+                                   ctx, compile_key(desc, ctx, batch), batch)
             if graph is not None:
                 if built_s:            # compiled on two rows just now: this graph's cost
                     graph.compile_s = built_s + (graph.compile_s or graph.load_s or 0.0)
@@ -223,7 +223,7 @@ class GraphManager:
             ids, positions, ctx = self.runner.dummy_batch(rows)
             with forward_context(ctx):
                 specs = layer_specs(self.capture_backend, self._decoder_parts(), ctx, ids,
-                                    positions, _compile_key(rows, ctx, True), True)
+                                    positions, compile_key(rows, ctx, True), True)
                 compile_s = build_layer_artifacts(self.capture_backend,
                                                   self._decoder_parts(), specs)
             self.runner.dummy_batch(desc)      # NOTE: back to the one-row batch's pads
@@ -247,7 +247,7 @@ class GraphManager:
             inputs = self._full_inputs(ids, positions, ctx)
         named = self._named_tensors(inputs)
         batch = self._symbolic(desc)
-        dynamic, graph_key = _symbolic_dims(named, ctx, batch), _compile_key(desc, ctx, batch)
+        dynamic, graph_key = symbolic_dims(named, ctx, batch), compile_key(desc, ctx, batch)
         return named, dynamic, graph_key, self.capture_backend.key(named, dynamic, graph_key)
 
     def _forward_fn(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -354,44 +354,6 @@ def _no_cpu_pieces(mode: CUDAGraphMode) -> CUDAGraphMode:
                 "run uncompiled, slower than eager; compilation_config backend='inductor' "
                 "compiles them)", mode.name, new.name)
     return new
-
-
-def _compile_key(desc: BatchExecutionDescriptor, ctx: ForwardContext, symbolic_batch: bool
-                 ) -> dict[str, Any]:
-    """What a traced forward specialises on besides tensor shapes.
-
-    NOTE: inlined attention reads the block size alone of the metadata's constants (it
-    covers every column of the block table it is handed): max_seq_len and max_query_len
-    follow max_model_len and the batch, and would split the cache for nothing.
-    """
-    block_sizes = {m.block_size for m in (getattr(x, "common", x)
-                                          for x in ctx.attn_metadata.values())}
-    key = {"mode": desc.mode.name, "uniform_query_len": desc.uniform_query_len,
-           "block_sizes": sorted(block_sizes)}
-    if symbolic_batch:
-        return {**key, "symbolic_batch": True}
-    return {**key, "num_tokens_padded": desc.num_tokens_padded,
-            "num_reqs_padded": desc.num_reqs_padded}
-
-
-def _symbolic_dims(named: dict[str, torch.Tensor], ctx: ForwardContext, batch: bool
-                   ) -> dict[str, tuple[int, ...]]:
-    """Dimensions a compiled forward traces as symbols, by tensor name: each KV cache's
-    block count (dim 1 of [2, num_blocks, block_size, kv_heads, head_dim]), each block
-    table's width (blocks read per request, cut at each replay) and, with ``batch``, the
-    leading (token or request) dimension of every input buffer view, so one artifact
-    serves every ladder size."""
-    tables = {memory_identity(getattr(m, "common", m).block_table)
-              for m in ctx.attn_metadata.values()}
-    dims: dict[str, tuple[int, ...]] = {}
-    for name, t in named.items():
-        wide = t.dim() > 1 and t.shape[1] >= MIN_DYNAMIC_SIZE
-        if name.startswith("kv.") and wide:
-            dims[name] = (1,)
-        elif name.startswith("input."):
-            dims[name] = ((0,) if batch else ()) + ((1,) if memory_identity(t) in tables
-                                                     and wide else ())
-    return {name: d for name, d in dims.items() if d}
 
 
 def artifact_cache(runner: GraphRunner, config: Any) -> Any:

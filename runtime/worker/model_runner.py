@@ -26,6 +26,7 @@ from rung.runtime.sched.request import Request
 from rung.runtime.sched.scheduler import SchedulerOutput
 from rung.runtime.worker.attention_groups import build_attention_groups, build_layer_metadata
 from rung.runtime.worker.input_batch import BatchLayout, HostCopyFence, InputBatch
+from rung.runtime.worker.logprobs import logprob_dict, unpack_prompt_logprobs
 from rung.runtime.worker.rejection_sampler import num_accepted
 from rung.runtime.worker.sampler import Sampler, SamplingBatch, to_device, token_logprobs
 
@@ -317,7 +318,7 @@ class ModelRunner:
         if reqs:
             host = self._unpack(host, reqs, batch, num_top, out)
         if prompt:
-            host = _unpack_prompt(host, prompt, out)
+            host = unpack_prompt_logprobs(host, prompt, out)
         if drafting and reqs:
             out.drafts = host.astype(np.int64).reshape(sched.num_reqs, -1).tolist()
 
@@ -364,26 +365,8 @@ class ModelRunner:
             out.sampled[req.request_id] = tokens[start:start + n_acc + 1].tolist()
             if req.params.logprobs is not None:
                 out.logprobs[req.request_id] = [
-                    _logprob_dict(int(tokens[r]), lps[r], req.params.logprobs) for r in rows]
+                    logprob_dict(int(tokens[r]), lps[r], req.params.logprobs) for r in rows]
         return host[end:]
-
-
-def _unpack_prompt(host: np.ndarray, prompt: list[tuple[Request, int, int, int]],
-                   out: ModelRunnerOutput) -> np.ndarray:
-    """host: [num_prompt_rows, 2 + 2 * num_top] (`_prompt_logprobs`) -> out.prompt_logprobs.
-    Returns what follows."""
-    num_rows = sum(n for *_, n in prompt)
-    num_top = max(req.params.prompt_logprobs for req, *_ in prompt)
-    end = num_rows * (2 + 2 * num_top)
-    lps = host[:end].reshape(num_rows, -1)
-    row = 0
-    for req, _, first, n in prompt:
-        ids = req.prompt_token_ids[first + 1:first + 1 + n]
-        out.prompt_logprobs[req.request_id] = (first + 1, [
-            _logprob_dict(t, lps[row + i], req.params.prompt_logprobs)
-            for i, t in enumerate(ids)])
-        row += n
-    return host[end:]
 
 
 class HostOutput:
@@ -411,13 +394,3 @@ class HostOutput:
         self.fence.record()
         self.fence.wait()
         return host.numpy()
-
-
-def _logprob_dict(token: int, row: np.ndarray, num_top: int) -> dict[int, Logprob]:
-    """row: [lp, rank, top lps..., top ids...] (`token_logprobs`) -> vLLM's dict: the
-    sampled token first, then the top ``num_top`` (the sampled one may be among them)."""
-    width = (len(row) - 2) // 2
-    entry = {token: Logprob(float(row[0]), int(row[1]))}
-    for i in range(num_top):
-        entry.setdefault(int(row[2 + width + i]), Logprob(float(row[2 + i]), i + 1))
-    return entry

@@ -1,0 +1,42 @@
+"""What the host makes of the logprob rows in a step's one device-to-host copy: vLLM's
+``{token id: Logprob}`` dicts, for sampled tokens and for prompt positions."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rung.runtime.outputs import Logprob
+
+if TYPE_CHECKING:
+    from rung.runtime.sched.request import Request
+    from rung.runtime.worker.model_runner import ModelRunnerOutput
+
+
+def unpack_prompt_logprobs(host: np.ndarray, prompt: list[tuple[Request, int, int, int]],
+                   out: ModelRunnerOutput) -> np.ndarray:
+    """host: [num_prompt_rows, 2 + 2 * num_top] (`_prompt_logprobs`) -> out.prompt_logprobs.
+    Returns what follows."""
+    num_rows = sum(n for *_, n in prompt)
+    num_top = max(req.params.prompt_logprobs for req, *_ in prompt)
+    end = num_rows * (2 + 2 * num_top)
+    lps = host[:end].reshape(num_rows, -1)
+    row = 0
+    for req, _, first, n in prompt:
+        ids = req.prompt_token_ids[first + 1:first + 1 + n]
+        out.prompt_logprobs[req.request_id] = (first + 1, [
+            logprob_dict(t, lps[row + i], req.params.prompt_logprobs)
+            for i, t in enumerate(ids)])
+        row += n
+    return host[end:]
+
+
+def logprob_dict(token: int, row: np.ndarray, num_top: int) -> dict[int, Logprob]:
+    """row: [lp, rank, top lps..., top ids...] (`token_logprobs`) -> vLLM's dict: the
+    sampled token first, then the top ``num_top`` (the sampled one may be among them)."""
+    width = (len(row) - 2) // 2
+    entry = {token: Logprob(float(row[0]), int(row[1]))}
+    for i in range(num_top):
+        entry.setdefault(int(row[2 + width + i]), Logprob(float(row[2 + i]), i + 1))
+    return entry
