@@ -70,6 +70,8 @@ def test_the_scan_sees_every_kind_of_write():
 class _KV:
     """Records what the request looked like when the KV cache was told to advance."""
 
+    advance_at: dict[str, int] = {}     # no threshold: told at every commit
+
     def __init__(self) -> None:
         self.seen: list[tuple[int, int]] = []
 

@@ -21,6 +21,8 @@ CHI2_P001 = {1: 10.8, 2: 13.8, 3: 16.3, 4: 18.5, 5: 20.5}         # chi-square, 
 
 
 class _NoKV:
+    advance_at: dict[str, int] = {}
+
     def advance(self, req: Request) -> None:
         pass
 

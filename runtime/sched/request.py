@@ -125,7 +125,9 @@ class Request:
         # NOTE: tokens past a stop are dropped; so is the KV written for them
         self.num_computed_tokens = min(computed, self.num_tokens)
         self.spec_token_ids = []
-        kv.advance(self)
+        # NOTE: a step inside the last block leaves the KV cache nothing to do
+        if self.num_computed_tokens >= kv.advance_at.get(self.request_id, 0):
+            kv.advance(self)
         return num_kept, reason
 
     def set_drafts(self, drafts: list[int]) -> None:
