@@ -234,10 +234,10 @@ class ModelRunner:
     def forward(self, desc: BatchExecutionDescriptor, layout: BatchLayout) -> torch.Tensor:
         """Run the target model on the prepared, padded batch -> hidden [num_tokens_padded, H]."""
         ids, positions, ctx = self.model_inputs(desc, layout)
+        if self.graphs is not None:
+            return self.graphs.run(desc, ids, positions, ctx)     # enters ctx where read
         with forward_context(ctx):
-            if self.graphs is None:
-                return self.model(ids, positions)
-            return self.graphs.run(desc, ids, positions, ctx)
+            return self.model(ids, positions)
 
     def model_inputs(self, desc: BatchExecutionDescriptor, layout: BatchLayout
                      ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
