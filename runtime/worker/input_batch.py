@@ -228,8 +228,8 @@ class InputBatch(PaddedBatch):
         np.cumsum(counts, out=qsl[1:num_reqs + 1])
         self.seq_lens.host[:num_reqs] = starts + counts
         if num_tokens == num_reqs:          # one token each (decode, or a 1-token chunk)
-            self.input_ids.host[:num_tokens] = [s.request.token_ids[s.request.num_computed_tokens]
-                                              for s in sched.scheduled]
+            self.input_ids.host[:num_tokens] = [
+                s.request.token_ids[s.request.num_computed_tokens] for s in sched.scheduled]
         else:
             self.input_ids.host[:num_tokens] = list(
                 itertools.chain.from_iterable(_step_tokens(s) for s in sched.scheduled))
