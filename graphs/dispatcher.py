@@ -42,6 +42,10 @@ class Dispatcher:
         # the dispatch table: (uniform decode?, padded size) -> the live graph key batches
         # of that slot replay (the policy's runtime mode for the slot); a missing slot is eager
         self._table: dict[tuple[bool, int], BatchExecutionDescriptor] = {}
+        # NOTE: descriptors of uniform batches (every decode step) are checked once, when
+        # first handed out, then handed out again: at most one per (num_reqs, query len)
+        # within the ladder (times the DP sizes seen); cleared whenever the table changes
+        self._handed: dict[tuple, BatchExecutionDescriptor] = {}
 
     def go_live(self, key: BatchExecutionDescriptor) -> None:
         """Batches of ``key``'s size replay its graph from the next dispatch on."""
@@ -54,6 +58,7 @@ class Dispatcher:
             mode = self.runtime_mode(query_len)
             if mode != CUDAGraphMode.NONE and self._key(mode, size, query_len) == key:
                 self._table[(uniform, size)] = key
+        self._handed.clear()
 
     def padded_size(self, num_tokens: int) -> int | None:
         i = bisect.bisect_left(self.sizes, num_tokens)
@@ -73,6 +78,10 @@ class Dispatcher:
         """The descriptor of the live graph the batch's slot holds, else eager (above the
         largest size, or not live yet: never a crash). ``num_tokens_across_dp``: under data
         parallel, the size every rank agreed to run (a ladder size, or eager padded to it)."""
+        handed = self._handed.get((num_reqs, num_tokens, uniform_query_len,
+                                  num_tokens_across_dp))
+        if handed is not None:
+            return handed
         if num_tokens_across_dp is None:
             i = bisect.bisect_left(self.sizes, num_tokens)
             size = self.sizes[i] if i < len(self.sizes) else None
@@ -83,8 +92,11 @@ class Dispatcher:
             return BatchExecutionDescriptor.eager(num_reqs, num_tokens, uniform_query_len,
                                                   num_tokens_across_dp)
         rows = num_reqs if key.mode == CUDAGraphMode.PIECEWISE else key.num_reqs_padded
-        return BatchExecutionDescriptor(key.mode, num_reqs, rows, num_tokens, size,
+        desc = BatchExecutionDescriptor(key.mode, num_reqs, rows, num_tokens, size,
                                         uniform_query_len, num_tokens_across_dp)
+        if uniform_query_len is not None:
+            self._handed[(num_reqs, num_tokens, uniform_query_len, num_tokens_across_dp)] = desc
+        return desc
 
     def graph_key(self, desc: BatchExecutionDescriptor) -> BatchExecutionDescriptor:
         """The capture descriptor whose graph ``desc`` replays."""

@@ -19,7 +19,7 @@ from rung.core.forward_context import (
 )
 from rung.core.graph_mode import CUDAGraphMode
 from rung.graphs.backends import make_capture_backend, resolve_graph_backend
-from rung.graphs.capture import CapturedGraph, Outputs
+from rung.graphs.capture import CapturedGraph, CudaGraphBackend, Outputs
 from rung.graphs.compiled import MIN_DYNAMIC_SIZE, CompiledGraphBackend, compile_key, symbolic_dims
 from rung.graphs.compiler import compile_model
 from rung.graphs.dispatcher import Dispatcher, downgrade
@@ -80,6 +80,11 @@ class GraphManager:
                                                     artifact_cache)
         self.compiled = (compile_model(runner.model, self, piece_compiler)
                          if mode.has_piecewise() else None)
+        # NOTE: a CUDA or compiled FULL replay runs captured kernels on the inputs it was
+        # captured with and reads no forward context; an emulated one re-runs the forward,
+        # and the debug poison hook reads the replay's descriptor from the context
+        self._full_replay_reads_context = poison or not isinstance(
+            self.capture_backend, (CompiledGraphBackend, CudaGraphBackend))
         # (TARGET or a drafter's name, graph key: the capture descriptor) -> FULL graph
         self.full_graphs: dict[tuple[str, BatchExecutionDescriptor], CapturedGraph] = {}
         self.capturing = False
@@ -325,17 +330,23 @@ class GraphManager:
     # --- replay ---------------------------------------------------------------------------
     def run(self, desc: BatchExecutionDescriptor, ids: torch.Tensor, positions: torch.Tensor,
             ctx: ForwardContext) -> torch.Tensor:
-        """The forward of ``desc`` (dispatched by ``dispatcher``), inside ``ctx``."""
+        """The forward of ``desc`` (dispatched by ``dispatcher``), in ``ctx`` (entered here
+        for what reads it)."""
         if desc.mode == CUDAGraphMode.FULL:
             graph = self.full_graphs[(TARGET, self.dispatcher.graph_key(desc))]
             # NOTE: a target replay: _replaying is TARGET outside a drafter's replay
-            return graph.replay(self._full_inputs(ids, positions, ctx))
-        if desc.mode == CUDAGraphMode.NONE:
-            # NOTE: the model itself, not the torch.compile wrapper of the pieces: its first
-            # call traces the whole model, which must not delay an eager step (background
-            # start-up serves eagerly before any graph is live)
-            return self.runner.model(ids, positions)
-        return self._forward_fn(ids, positions)
+            inputs = self._full_inputs(ids, positions, ctx)
+            if not self._full_replay_reads_context:
+                return graph.replay(inputs)
+            with forward_context(ctx):
+                return graph.replay(inputs)
+        with forward_context(ctx):
+            if desc.mode == CUDAGraphMode.NONE:
+                # NOTE: the model itself, not the torch.compile wrapper of the pieces: its
+                # first call traces the whole model, which must not delay an eager step
+                # (background start-up serves eagerly before any graph is live)
+                return self.runner.model(ids, positions)
+            return self._forward_fn(ids, positions)
 
     def _poison_pads(self) -> None:
         """Garbage into pad input rows before a replay: real outputs must not change."""

@@ -42,10 +42,10 @@ def test_pad_rows_are_rewritten_after_poison_for_every_group():
     batch = _batch()
     batch.poison(np.random.default_rng(0), vocab_size=100, num_blocks=64)
     sched, block_ids = _decode_step(3)
-    layout = batch.prepare(sched, block_ids)
+    batch.prepare(sched, block_ids)
     desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, 3, 8, 3, 8, 1)
     batch.pad(desc)
-    commons = batch.common_metadata(desc, layout, max_model_len=32)
+    commons = batch.metadata_views(desc, 1, max_seq_len=32)     # a FULL decode graph's
     assert len(commons) == 2
     for group, meta in enumerate(commons):
         validate(meta)
@@ -65,7 +65,7 @@ def test_eager_metadata_has_exactly_the_real_rows():
     layout = batch.prepare(sched, block_ids)
     desc = BatchExecutionDescriptor.eager(3, 3, 1)
     batch.pad(desc)
-    (meta,) = batch.common_metadata(desc, layout, max_model_len=32)
+    (meta,) = batch.metadata_views(desc, layout.max_query_len, layout.max_seq_len)
     validate(meta)
     assert meta.block_table.shape[0] == meta.seq_lens.shape[0] == 3
 

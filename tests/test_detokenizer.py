@@ -224,6 +224,8 @@ def test_smollm2_streams_deltas_that_add_up_to_the_full_decode(smol_tokenizer):
 
 
 class _KV:
+    advance_at: dict = {}        # no threshold: told at every commit
+
     def advance(self, req) -> None:
         pass
 

@@ -40,12 +40,13 @@ def _pairs(input_batch) -> list[HostDevicePair]:
 def _instrument(input_batch, log: list) -> None:
     fence = input_batch.copy_fence
     fence._on_device, fence.event = True, _FakeEvent(log)
+    input_batch.on_device = True
     logged = type("Logged", (_LoggedArray,), {"log": log})
     for pair in _pairs(input_batch):
         assert pair.fence is fence
         pair._on_device = True
         pair.gpu = pair._host.clone()        # the "device" copy: other memory than the host
-        pair._np = pair._np.view(logged)
+        pair.host = pair.host.view(logged)
 
 
 def _first_violation(log: list) -> int | None:

@@ -140,6 +140,32 @@ def test_sliding_blocks_are_freed_as_a_request_advances():
     _balanced(kv)
 
 
+@pytest.mark.parametrize("specs,caching", [([SLIDING, FULL], True), ([SLIDING, FULL], False),
+                                           ([FULL], True), ([FULL], False)])
+def test_a_step_below_advance_at_skips_no_kv_work(specs, caching):
+    """Request.commit skips advance() below ``advance_at`` (and the scheduler skips
+    allocate() within ``num_slots``): advance() there would change nothing, and from
+    ``advance_at`` on it hashes or frees a block."""
+    kv = _kv(specs, num_blocks=64, enable_prefix_caching=caching)
+    req = _req("a", list(range(100)))
+    kv.take_cached_prefix(req)
+
+    def state():
+        blocks = kv.block_ids("a")
+        return blocks.version, [list(b) for b in blocks], [dict(p.cached) for p in kv.pools]
+
+    for num_computed in range(1, 100):
+        assert kv.allocate("a", num_computed + 1)
+        assert kv.num_slots["a"] == len(kv.block_ids("a")[0]) * BS >= num_computed + 1
+        req.num_computed_tokens = num_computed
+        due, before = num_computed >= kv.advance_at["a"], state()
+        kv.advance(req)
+        assert due == (state() != before), num_computed
+    kv.free("a")
+    assert "a" not in kv.num_slots and "a" not in kv.advance_at
+    _balanced(kv)
+
+
 # --- the engine -----------------------------------------------------------------------
 ENGINE = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 96,
           "dtype": "float32"}

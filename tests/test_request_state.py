@@ -12,7 +12,10 @@ from rung.runtime.sched.request import Request, RequestStatus
 
 RUNTIME = pathlib.Path(__file__).resolve().parents[1] / "runtime"
 OWNER = RUNTIME / "sched" / "request.py"
-OWNED = {"token_ids", "num_computed_tokens", "spec_token_ids"}
+# NOTE: num_tokens is a count of token_ids written in commit too, but other objects in
+# runtime/ have a num_tokens of their own (as with status)
+OWNED = {"token_ids", "num_computed_tokens", "spec_token_ids", "num_output_tokens",
+         "is_finished"}
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse"}
 
 
@@ -67,6 +70,8 @@ def test_the_scan_sees_every_kind_of_write():
 class _KV:
     """Records what the request looked like when the KV cache was told to advance."""
 
+    advance_at: dict[str, int] = {}     # no threshold: told at every commit
+
     def __init__(self) -> None:
         self.seen: list[tuple[int, int]] = []
 
@@ -97,6 +102,7 @@ def test_commit_stops_at_the_token_that_ends_the_request():
     num_kept, reason = req.commit([8, 9, 3], 3, kv, lambda t: "stop" if t == 8 else None)
     assert (num_kept, reason) == (1, "stop")
     assert req.output_token_ids == [7, 8] and req.num_computed_tokens == req.num_tokens
+    assert (req.num_tokens, req.num_output_tokens) == (len(req.token_ids), 2)
 
 
 def test_transitions_refuse_a_request_in_the_wrong_state():

@@ -20,9 +20,19 @@ LOGITS = torch.tensor([2.0, 1.5, 0.3, -0.4, 1.0, -2.0])          # vocab 6
 CHI2_P001 = {1: 10.8, 2: 13.8, 3: 16.3, 4: 18.5, 5: 20.5}         # chi-square, p = 0.001
 
 
+class _NoKV:
+    advance_at: dict[str, int] = {}
+
+    def advance(self, req: Request) -> None:
+        pass
+
+
 def _req(params: SamplingParams, prompt=(1, 2), output=(), arrival: int = 0) -> Request:
     req = Request("r", None, list(prompt), params, None, arrival)
-    req.token_ids += list(output)
+    if output:                       # through its transitions, as the engine does
+        req.take_cached_prefix(0)
+        req.start()
+        req.commit(list(output), len(prompt), _NoKV(), lambda token: None)
     return req
 
 

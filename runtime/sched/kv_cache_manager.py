@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import itertools
 import logging
+import sys
 
 import numpy as np
 
@@ -84,6 +85,13 @@ class KVCacheManager:
         self._versions = itertools.count(1)
         self.prefix_stats = PrefixCacheStats()
         self._pending_query: dict[str, tuple[int, int]] = {}   # looked up, not yet admitted
+        # NOTE: what lets a step skip the manager for a request whose step stays inside
+        # its last block (the common decode step): read by the scheduler and by
+        # Request.commit, written here alone
+        self.num_slots: dict[str, int] = {}     # request id -> tokens its blocks hold
+        # request id -> the num_computed_tokens from which advance() has work (a block to
+        # hash, a sliding-window block to free); below it advance() would do nothing
+        self.advance_at: dict[str, int] = {}
 
     # --- counts -----------------------------------------------------------------------
     # NOTE: every group's pool has the same number of blocks and a request needs blocks
@@ -175,6 +183,8 @@ class KVCacheManager:
                 pool.touch(block)
                 group_blocks.append(block)
         self._num_cached[req.request_id] = num_hit
+        self.num_slots[req.request_id] = len(blocks[0]) * self.block_size
+        self._set_advance_at(req.request_id)
         return num_hit * self.block_size
 
     def _block_hashes(self, req, num_blocks: int) -> list[bytes]:
@@ -231,6 +241,7 @@ class KVCacheManager:
             for pool, group_blocks in zip(self.pools, blocks):
                 group_blocks.extend(pool.allocate(extra))
             blocks.version = next(self._versions)
+            self.num_slots[request_id] = len(blocks[0]) * self.block_size
         if self._pending_query:
             self._record_query(request_id)
         return True
@@ -257,6 +268,18 @@ class KVCacheManager:
                 changed |= self._free_skipped(req, g, blocks[g])
         if changed:
             blocks.version = next(self._versions)
+        self._set_advance_at(req.request_id)
+
+    def _set_advance_at(self, request_id: str) -> None:
+        """When advance() next has work for the request: its next block fills (prefix
+        caching), or a block of a sliding-window group leaves the window (_free_skipped
+        frees block s + 1 once (n - lookback) // block_size > s)."""
+        bs = self.block_size
+        due = [(self._num_cached[request_id] + 1) * bs] if self.enable_prefix_caching else []
+        skipped = self._num_skipped[request_id]
+        due += [(skipped[g] + 1) * bs + lookback for g, lookback in enumerate(self.lookback)
+                if lookback is not None]
+        self.advance_at[request_id] = min(due, default=sys.maxsize)
 
     def _cache_full_blocks(self, req, blocks: RequestBlocks, num_full: int) -> None:
         first = self._num_cached[req.request_id]
@@ -289,6 +312,8 @@ class KVCacheManager:
         blocks.version = next(self._versions)
         self._num_cached[request_id] = 0
         self._num_skipped[request_id] = [0] * len(self.groups)
+        self.num_slots[request_id] = 0
+        self._set_advance_at(request_id)
         return blocks
 
     def free(self, request_id: str) -> None:
@@ -297,6 +322,8 @@ class KVCacheManager:
         self._pending_query.pop(request_id, None)
         self._num_cached.pop(request_id, None)
         self._num_skipped.pop(request_id, None)
+        self.num_slots.pop(request_id, None)
+        self.advance_at.pop(request_id, None)
         for pool, group_blocks in zip(self.pools, blocks or []):
             pool.free(group_blocks[::-1])
 

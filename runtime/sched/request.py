@@ -50,10 +50,15 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival = arrival
         self.token_ids: list[int] = list(prompt_token_ids)   # prompt + output
+        # NOTE: counts of token_ids, plain attributes the step reads per token; kept equal
+        # to it by commit, token_ids' one writer
+        self.num_tokens = self.num_prompt_tokens
+        self.num_output_tokens = 0
         self.num_computed_tokens = 0        # tokens whose KV is in the cache
         self.spec_token_ids: list[int] = []  # drafts to verify next step
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks (prefix caching)
         self.status = RequestStatus.WAITING
+        self.is_finished = False            # status is FINISHED: set by finish() alone
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None       # why it finished with "error"
@@ -75,20 +80,8 @@ class Request:
         self.num_preemptions = 0
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED
 
     # --- transitions ------------------------------------------------------------------
     def take_cached_prefix(self, num_tokens: int) -> None:
@@ -119,6 +112,8 @@ class Request:
         num_kept, reason = 0, None
         for token in tokens:
             self.token_ids.append(token)
+            self.num_tokens += 1
+            self.num_output_tokens += 1
             num_kept += 1
             reason = stop_reason(token)
             if reason is not None:
@@ -130,7 +125,9 @@ class Request:
         # NOTE: tokens past a stop are dropped; so is the KV written for them
         self.num_computed_tokens = min(computed, self.num_tokens)
         self.spec_token_ids = []
-        kv.advance(self)
+        # NOTE: a step inside the last block leaves the KV cache nothing to do
+        if self.num_computed_tokens >= kv.advance_at.get(self.request_id, 0):
+            kv.advance(self)
         return num_kept, reason
 
     def set_drafts(self, drafts: list[int]) -> None:
@@ -154,6 +151,7 @@ class Request:
     def finish(self, reason: str) -> None:
         """-> finished (its blocks were freed). A reason set earlier is kept."""
         self.status = RequestStatus.FINISHED
+        self.is_finished = True
         self.spec_token_ids = []
         self.finish_reason = self.finish_reason or reason
 

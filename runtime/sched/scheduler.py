@@ -55,7 +55,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput([], 0, [], [])
-        allocate, own = self.kv.allocate, []
+        allocate, num_slots, own = self.kv.allocate, self.kv.num_slots, []
         for req in list(self.running):
             if budget == 0:
                 break
@@ -66,8 +66,11 @@ class Scheduler:
             # NOTE: KV for every request's own tokens first; drafts only get blocks left
             # over after that (_fit_drafts), so they never preempt or error anyone.
             num_own = num_new - len(req.spec_token_ids)
-            # NOTE: the common case (the last block has room) never enters the preemption loop
-            if (allocate(req.request_id, req.num_computed_tokens + num_own)
+            # NOTE: the common case (the last block has room) needs no allocation, and never
+            # enters the preemption loop
+            num_needed = req.num_computed_tokens + num_own
+            if (num_needed <= num_slots.get(req.request_id, 0)
+                    or allocate(req.request_id, num_needed)
                     or self._allocate_or_preempt(req, num_own, out)):
                 own.append((req, num_own))
                 budget -= num_new

@@ -10,7 +10,6 @@ import torch
 
 from rung.core.attention_metadata import PAD_SLOT_ID, CommonAttentionMetadata
 from rung.core.descriptor import BatchExecutionDescriptor
-from rung.core.graph_mode import CUDAGraphMode
 from rung.runtime.sched.kv_cache_manager import NULL_BLOCK
 from rung.runtime.sched.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -59,7 +58,9 @@ class HostCopyFence:
 class HostDevicePair:
     """A numpy host buffer and the device tensor graphs read (the same memory on CPU).
 
-    ``np`` waits for this pair's in-flight copy first, so no host write can race it.
+    ``np`` waits for this pair's in-flight copy first, so no host write can race it;
+    ``host`` is the same array without the wait, for a batch that waited on the fence its
+    pairs share once before it writes them all (`prepare`, `pad`).
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype, device: torch.device,
@@ -68,7 +69,7 @@ class HostDevicePair:
         host = torch.from_numpy(np.zeros(shape, dtype=dtype))
         if device.type != "cpu":
             host = host.pin_memory()
-        self._np = host.numpy()
+        self.host = host.numpy()
         self._host = host
         self._on_device = device.type != "cpu"
         self.fence = fence if fence is not None else HostCopyFence(device)
@@ -77,7 +78,7 @@ class HostDevicePair:
     @property
     def np(self) -> np.ndarray:
         self.fence.wait()
-        return self._np
+        return self.host
 
     def sync(self, rows: int) -> None:
         """Copy the first ``rows`` to the device (nothing to do on CPU: same memory)."""
@@ -102,6 +103,8 @@ class PaddedBatch:
         self.max_num_tokens = max_num_tokens
         self.block_size = block_size
         self.copy_fence = HostCopyFence(device)      # shared: one event per step
+        # False: host and device buffers are one memory (no copy, no fence to wait on)
+        self.on_device = device.type != "cpu"
         pair = lambda shape, dt: HostDevicePair(shape, dt, device, self.copy_fence)
         self.input_ids = pair((max_num_tokens,), np.int64)        # [max_num_tokens]
         self.positions = pair((max_num_tokens,), np.int64)        # [max_num_tokens]
@@ -149,17 +152,21 @@ class PaddedBatch:
         if (n, t) != (self._num_reqs, self._num_tokens):
             raise RuntimeError(f"pad() for a batch of {n} requests / {t} tokens, but the "
                                f"prepared batch has {self._num_reqs} / {self._num_tokens}")
+        if self.on_device:
+            self.copy_fence.wait()
         if n_pad > n:
             self._row_keys[n:n_pad] = [None] * (n_pad - n)   # rows this overwrites
-            self.query_start_loc.np[n + 1:n_pad + 1] = t    # zero-length pads keep it flat
-            self.seq_lens.np[n:n_pad] = 0
+            self.query_start_loc.host[n + 1:n_pad + 1] = t    # zero-length pads keep it flat
+            self.seq_lens.host[n:n_pad] = 0
             for bt in self.block_tables:
-                bt.np[n:n_pad] = NULL_BLOCK
+                bt.host[n:n_pad] = NULL_BLOCK
         if t_pad > t:
-            self.input_ids.np[t:t_pad] = 0
-            self.positions.np[t:t_pad] = 0
+            self.input_ids.host[t:t_pad] = 0
+            self.positions.host[t:t_pad] = 0
             for sm in self.slot_mappings:
-                sm.np[t:t_pad] = PAD_SLOT_ID
+                sm.host[t:t_pad] = PAD_SLOT_ID
+        if not self.on_device:          # NOTE: the device reads the host memory itself
+            return
         self.input_ids.sync(t_pad)
         self.positions.sync(t_pad)
         self.query_start_loc.sync(n_pad + 1)
@@ -211,18 +218,20 @@ class InputBatch(PaddedBatch):
         if num_reqs > self.max_num_reqs or num_tokens > self.max_num_tokens:
             raise RuntimeError(f"batch of {num_reqs} requests / {num_tokens} tokens exceeds "
                                f"buffers {self.max_num_reqs} / {self.max_num_tokens}")
+        if self.on_device:              # NOTE: once: every write below is after it
+            self.copy_fence.wait()
         counts = np.array([s.num_new_tokens for s in sched.scheduled], dtype=np.int64)
         starts = np.array([s.request.num_computed_tokens for s in sched.scheduled],
                           dtype=np.int64)
-        qsl = self.query_start_loc.np
+        qsl = self.query_start_loc.host
         qsl[0] = 0
         np.cumsum(counts, out=qsl[1:num_reqs + 1])
-        self.seq_lens.np[:num_reqs] = starts + counts
+        self.seq_lens.host[:num_reqs] = starts + counts
         if num_tokens == num_reqs:          # one token each (decode, or a 1-token chunk)
-            self.input_ids.np[:num_tokens] = [s.request.token_ids[s.request.num_computed_tokens]
-                                              for s in sched.scheduled]
+            self.input_ids.host[:num_tokens] = [
+                s.request.token_ids[s.request.num_computed_tokens] for s in sched.scheduled]
         else:
-            self.input_ids.np[:num_tokens] = list(
+            self.input_ids.host[:num_tokens] = list(
                 itertools.chain.from_iterable(_step_tokens(s) for s in sched.scheduled))
         self._write_block_rows(sched, block_ids)
         if num_tokens == num_reqs:          # token i is request i's token at its start
@@ -231,11 +240,11 @@ class InputBatch(PaddedBatch):
             req_of_token = np.repeat(self._arange[:num_reqs], counts)   # [num_tokens]
             positions = (self._arange[:num_tokens] - qsl[req_of_token]
                          + starts[req_of_token])
-        self.positions.np[:num_tokens] = positions
+        self.positions.host[:num_tokens] = positions
         for g, bt in enumerate(self.block_tables):
-            block = bt.np[req_of_token, positions // self.block_size].astype(np.int64)
+            block = bt.host[req_of_token, positions // self.block_size].astype(np.int64)
             offset = positions % self.block_size
-            self.slot_mappings[g].np[:num_tokens] = block * self.block_size + offset
+            self.slot_mappings[g].host[:num_tokens] = block * self.block_size + offset
         self._num_reqs, self._num_tokens = num_reqs, num_tokens
         return self._layout(sched, counts, qsl)
 
@@ -256,7 +265,7 @@ class InputBatch(PaddedBatch):
             if keys[i] == key:
                 continue
             for table, blocks in zip(tables, req_blocks):
-                row = table.np[i]
+                row = table.host[i]
                 row[:len(blocks)] = blocks
                 row[len(blocks):] = NULL_BLOCK
             keys[i] = key
@@ -282,23 +291,8 @@ class InputBatch(PaddedBatch):
             logits_indices = first + within                          # [num_logits]
         uniform = int(counts[0]) if num_reqs and bool((counts == counts[0]).all()) else None
         return BatchLayout(num_reqs, sched.num_tokens, uniform, int(counts.max(initial=0)),
-                           int(self.seq_lens.np[:num_reqs].max(initial=0)), logits_indices,
+                           int(self.seq_lens.host[:num_reqs].max(initial=0)), logits_indices,
                            num_logits)
-
-    def common_metadata(self, desc: BatchExecutionDescriptor, layout: BatchLayout,
-                        max_model_len: int) -> list[CommonAttentionMetadata]:
-        """One CommonAttentionMetadata per KV cache group, views sliced by ``desc``.
-
-        NOTE: a FULL graph replays for every later batch of its size: its kernels read up
-        to max_model_len keys, and size their query tiles (FA picks its decode path) by
-        1 or 1 + k per request for a uniform decode / verify graph, else by all tokens.
-        """
-        if desc.mode != CUDAGraphMode.FULL:
-            return self.metadata_views(desc, layout.max_query_len, layout.max_seq_len)
-        max_query_len = (self.decode_query_len
-                         if desc.uniform_query_len == self.decode_query_len
-                         else desc.num_tokens_padded)
-        return self.metadata_views(desc, max_query_len, max_model_len)
 
 
 def _step_tokens(s: ScheduledRequest) -> list[int]:

@@ -1,5 +1,6 @@
-"""What the host makes of the logprob rows in a step's one device-to-host copy: vLLM's
-``{token id: Logprob}`` dicts, for sampled tokens and for prompt positions."""
+"""Logprobs on the host: the prompt positions a step computes them for, and what the host
+makes of the logprob rows in the step's one device-to-host copy (vLLM's
+``{token id: Logprob}`` dicts, for sampled tokens and for prompt positions)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,22 @@ from rung.runtime.outputs import Logprob
 
 if TYPE_CHECKING:
     from rung.runtime.sched.request import Request
+    from rung.runtime.sched.scheduler import SchedulerOutput
     from rung.runtime.worker.model_runner import ModelRunnerOutput
+
+
+def prompt_rows(sched: SchedulerOutput) -> list[tuple[Request, int, int, int]]:
+    """(request, first token row, first position, count) of the prompt positions whose
+    next prompt token's logprob was asked for (``prompt_logprobs``) in this step."""
+    found, row = [], 0
+    for s in sched.scheduled:
+        req = s.request
+        first = req.num_computed_tokens
+        last = min(first + s.num_new_tokens, req.num_prompt_tokens - 1)
+        if req.params.prompt_logprobs is not None and last > first:
+            found.append((req, row, first, last - first))
+        row += s.num_new_tokens
+    return found
 
 
 def unpack_prompt_logprobs(host: np.ndarray, prompt: list[tuple[Request, int, int, int]],

@@ -26,7 +26,7 @@ from rung.runtime.sched.request import Request
 from rung.runtime.sched.scheduler import SchedulerOutput
 from rung.runtime.worker.attention_groups import build_attention_groups, build_layer_metadata
 from rung.runtime.worker.input_batch import BatchLayout, HostCopyFence, InputBatch
-from rung.runtime.worker.logprobs import logprob_dict, unpack_prompt_logprobs
+from rung.runtime.worker.logprobs import logprob_dict, prompt_rows, unpack_prompt_logprobs
 from rung.runtime.worker.rejection_sampler import num_accepted
 from rung.runtime.worker.sampler import Sampler, SamplingBatch, to_device, token_logprobs
 
@@ -234,10 +234,10 @@ class ModelRunner:
     def forward(self, desc: BatchExecutionDescriptor, layout: BatchLayout) -> torch.Tensor:
         """Run the target model on the prepared, padded batch -> hidden [num_tokens_padded, H]."""
         ids, positions, ctx = self.model_inputs(desc, layout)
+        if self.graphs is not None:
+            return self.graphs.run(desc, ids, positions, ctx)     # enters ctx where read
         with forward_context(ctx):
-            if self.graphs is None:
-                return self.model(ids, positions)
-            return self.graphs.run(desc, ids, positions, ctx)
+            return self.model(ids, positions)
 
     def model_inputs(self, desc: BatchExecutionDescriptor, layout: BatchLayout
                      ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
@@ -251,8 +251,19 @@ class ModelRunner:
 
     def build_metadata(self, desc: BatchExecutionDescriptor, layout: BatchLayout
                        ) -> tuple[list[CommonAttentionMetadata], dict[str, object]]:
-        """Per KV cache group, then per layer (its attention group's)."""
-        commons = self.input_batch.common_metadata(desc, layout, self.max_model_len)
+        """Per KV cache group (views of the input buffers sliced by ``desc``), then per
+        layer (its attention group's).
+
+        NOTE: a FULL graph replays for every later batch of its size: its kernels read up
+        to max_model_len keys, and size their query tiles (FA picks its decode path) by
+        1 or 1 + k per request for a uniform decode / verify graph, else by all tokens.
+        """
+        lens = (layout.max_query_len, layout.max_seq_len)
+        if desc.mode == CUDAGraphMode.FULL:
+            q = self.input_batch.decode_query_len
+            lens = (q if desc.uniform_query_len == q else desc.num_tokens_padded,
+                    self.max_model_len)
+        commons = self.input_batch.metadata_views(desc, *lens)
         return commons, build_layer_metadata(self.attn_groups, commons,
                                              self.config.debug_padding)
 
@@ -280,7 +291,7 @@ class ModelRunner:
                 drafts.append(s.request.spec_token_ids[:n - 1])
                 req_rows.append(i)
             wants_prompt |= s.request.params.prompt_logprobs is not None
-        prompt = self._prompt_rows(sched) if wants_prompt else []
+        prompt = prompt_rows(sched) if wants_prompt else []
         drafting = self.drafter is not None and (
             bool(reqs) or num_draft_tokens_across_dp is not None)
         if not reqs and not prompt and not drafting:
@@ -321,19 +332,6 @@ class ModelRunner:
             host = unpack_prompt_logprobs(host, prompt, out)
         if drafting and reqs:
             out.drafts = host.astype(np.int64).reshape(sched.num_reqs, -1).tolist()
-
-    def _prompt_rows(self, sched: SchedulerOutput) -> list[tuple[Request, int, int, int]]:
-        """(request, first token row, first position, count) of the prompt positions whose
-        next prompt token's logprob was asked for (``prompt_logprobs``) in this step."""
-        found, row = [], 0
-        for s in sched.scheduled:
-            req = s.request
-            first = req.num_computed_tokens
-            last = min(first + s.num_new_tokens, req.num_prompt_tokens - 1)
-            if req.params.prompt_logprobs is not None and last > first:
-                found.append((req, row, first, last - first))
-            row += s.num_new_tokens
-        return found
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
                          prompt: list[tuple[Request, int, int, int]]) -> torch.Tensor:
