@@ -5,7 +5,7 @@ at 1 and 8 requests, interleaved A B A B in one process, one torch thread.
         python -m rung.bench.per_layer_replay --model smollm2-135m
 
 "per_layer": one artifact per decoder layer kind, called once per layer
-(``GraphManager.per_layer``, the default); "whole": the whole forward in one artifact.
+(``compilation_config.per_layer_graphs``, the default); "whole": the whole forward in one artifact.
 Both use a symbolic batch for the size-8 graph. Ratios are per_layer / whole of the
 per-round medians.
 """
@@ -21,26 +21,18 @@ import torch
 
 
 def _engine(model: str, sizes: list[int], per_layer: bool, max_num_seqs: int):
-    import rung.graphs.manager as manager
     from rung.runtime import LLM
 
-    old = manager.GraphManager.__init__
-
-    def init(self, *args, **kwargs):
-        old(self, *args, **kwargs)
-        self.per_layer = per_layer
-
-    manager.GraphManager.__init__ = init
-    try:
-        start = time.perf_counter()
-        llm = LLM(model, max_num_seqs=max_num_seqs, max_model_len=256, debug_padding=False,
-                  compilation_config={"cudagraph_mode": "full_decode_only",
-                                      "cudagraph_capture_sizes": sizes,
-                                      "graph_backend": "compiled", "cache_dir": "",
-                                      "graph_startup": "blocking"})
-        llm.startup_s = time.perf_counter() - start
-    finally:
-        manager.GraphManager.__init__ = old
+    start = time.perf_counter()
+    # NOTE: per_layer_graphs goes through the config: the engine sets GraphManager.per_layer
+    # from it after building the manager (patching the manager's __init__ measured
+    # per-layer against per-layer)
+    llm = LLM(model, max_num_seqs=max_num_seqs, max_model_len=256, debug_padding=False,
+              compilation_config={"cudagraph_mode": "full_decode_only",
+                                  "cudagraph_capture_sizes": sizes,
+                                  "graph_backend": "compiled", "cache_dir": "",
+                                  "graph_startup": "blocking", "per_layer_graphs": per_layer})
+    llm.startup_s = time.perf_counter() - start
     return llm
 
 
