@@ -7,11 +7,13 @@ import logging
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 from tqdm import tqdm
 
+from rung.graphs.artifact_cache import default_cache_dir
 from rung.graphs.backends import resolve_graph_backend
 from rung.graphs.builder import GraphBuilder
 from rung.graphs.ladder import capture_sizes
@@ -35,7 +37,7 @@ def load_target(config: EngineConfig) -> tuple[LoadedModel, int]:
             config.compilation.graph_backend, torch.device(config.device)) == "compiled":
         _import_inductor_meanwhile()
     loaded = load_model(config.model, config.dtype, str(config.device), config.load_format,
-                        quantization=config.quantization)
+                        quantization=config.quantization, cache_dir=_cache_dir(config))
     if isinstance(loaded.model, DraftModel):
         raise ValueError(f"model {config.model!r} is an MTP drafter, not a model to serve: "
                          "pass it as speculative_config={'method': 'mtp', 'model': "
@@ -46,6 +48,15 @@ def load_target(config: EngineConfig) -> tuple[LoadedModel, int]:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                          f"max_position_embeddings={model_max}")
     return loaded, max_model_len
+
+
+def _cache_dir(config: EngineConfig) -> Path | None:
+    """rung's disk cache (compiled graphs, a GGUF file's dequantized weights):
+    ``compilation_config.cache_dir``, its default when None, none when ""."""
+    root = config.compilation.cache_dir
+    if root == "":
+        return None
+    return Path(root) if root else default_cache_dir()
 
 
 def _import_inductor_meanwhile() -> None:
