@@ -53,6 +53,35 @@ def entry_path(root: Path, gguf_path: str, dtype: torch.dtype) -> Path:
     return Path(root) / "weights" / f"{key}.pt"
 
 
+def save_header(entry: Path, header: dict) -> None:
+    """Next to the weights: what the GGUF header gave (config, tokenizer, stop ids), so a
+    start that maps the weights parses no header (seconds: one numpy view per vocabulary
+    string). Skipped when it does not survive JSON unchanged."""
+    try:
+        text = json.dumps(header)
+        if json.loads(text) != header:
+            return
+        _header_path(entry).write_text(text)
+    except (TypeError, ValueError, OSError) as e:
+        logger.info("GGUF header not cached (%s: %s)", type(e).__name__, e)
+
+
+def load_header(entry: Path) -> dict | None:
+    """What ``save_header`` wrote for ``entry``, when it and the weights are there."""
+    path = _header_path(entry)
+    if not (entry.exists() and path.exists()):
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        path.unlink(missing_ok=True)
+        return None
+
+
+def _header_path(entry: Path) -> Path:
+    return entry.with_suffix(".header.json")
+
+
 def _tensors(net: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer by name, tied ones under each of their names."""
     named = dict(net.named_parameters(remove_duplicate=False))
@@ -115,6 +144,7 @@ def load(net: nn.Module, entry: Path) -> bool:
         logger.warning("cached weights %s are unusable (%s: %s); loading the GGUF file",
                        entry, type(e).__name__, e)
         entry.unlink(missing_ok=True)
+        _header_path(entry).unlink(missing_ok=True)
         return False
     _assign(net, sorted(names), tensors, aliases, buffers)
     return True

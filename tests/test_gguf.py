@@ -7,6 +7,7 @@ import torch
 from helpers import assert_matches_hf, random_prompts
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from rung.models import loader
 from rung.models.gguf import GGUFModel, dequantize_numpy
 from rung.models.loader import load_model, resolve_model_path
 from rung.runtime import LLM, SamplingParams
@@ -284,16 +285,28 @@ def _ties(net) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_second_load_maps_the_cached_dequantized_weights(tmp_path, arch):
+def test_second_load_maps_the_cached_dequantized_weights(tmp_path, arch, monkeypatch):
     """A GGUF file's dequantized weights are cached on the first load and mapped on the
     next: the same values, layouts (transposed linears), ties and buffers as a load from
     the file; an unreadable entry is dropped and the file loaded again."""
     path = write_gguf(tmp_path / "q.gguf", _hf_model(arch), arch, qtype="Q8_0")
     cache = tmp_path / "cache"
-    uncached = load_model(path).model
+    uncached_load = load_model(path)
+    uncached = uncached_load.model
     first = load_model(path, cache_dir=cache).model
     [entry] = (cache / "weights").glob("*.pt")
-    mapped = load_model(path, cache_dir=cache).model
+    with monkeypatch.context() as m:                       # no GGUF header parsed
+        m.setattr(loader, "_open_gguf", lambda _: pytest.fail("parsed the GGUF file"))
+        mapped_load = load_model(path, cache_dir=cache)
+    mapped = mapped_load.model
+    text = "hello world, hello"
+    for field in ("config", "generation_stop_ids"):
+        assert getattr(mapped_load, field) == getattr(uncached_load, field)
+    tok, want_tok = mapped_load.tokenizer, uncached_load.tokenizer
+    assert tok.encode(text) == want_tok.encode(text) and tok.decode(tok.encode(text)) == text
+    assert (tok.chat_template, tok.eos_token_id, tok.bos_token_id, tok.add_bos_token) == (
+        want_tok.chat_template, want_tok.eos_token_id, want_tok.bos_token_id,
+        want_tok.add_bos_token)
 
     def tensors(net):
         named = dict(net.named_parameters(remove_duplicate=False))
