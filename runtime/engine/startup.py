@@ -62,15 +62,17 @@ def _cache_dir(config: EngineConfig) -> Path | None:
 def _import_inductor_meanwhile() -> None:
     """Import inductor (which loads compiled graphs) in a thread while the model loads:
     seconds of Python that would otherwise delay the first graph, or a step. The thread
-    also picks the CPU's vector ISA, which inductor does once per process before it loads
-    an artifact by building and loading a probe per ISA in subprocesses (seconds spent
-    waiting, GIL released)."""
+    also does what inductor does once per process before it loads an artifact: pick the
+    CPU's vector ISA (it builds and loads a probe per ISA in subprocesses: seconds spent
+    waiting, GIL released) and hash torch's own source (the key every artifact carries)."""
     def run() -> None:
         import torch._inductor.compile_fx  # noqa: F401 - what loading an artifact imports
         import torch._inductor.standalone_compile  # noqa: F401
+        from torch._inductor.codecache import torch_key
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
         pick_vec_isa()
+        torch_key()
     threading.Thread(target=run, name="rung-import-inductor", daemon=True).start()
 
 
