@@ -26,12 +26,8 @@ from torch import nn
 from rung.core.forward_context import ForwardContext, forward_context
 from rung.graphs.artifact_cache import bind_inputs
 from rung.graphs.capture import CapturedGraph, memory_identity
-from rung.graphs.compiled import (
-    MIN_DYNAMIC_SIZE,
-    CompiledGraphBackend,
-    DirectCall,
-    PlainSizes,
-)
+from rung.graphs.compiled import MIN_DYNAMIC_SIZE, CompiledGraphBackend
+from rung.graphs.direct_call import DirectCall, PlainSizes
 from rung.kernels.attention import Attention
 
 logger = logging.getLogger(__name__)

@@ -7,6 +7,7 @@ compiles one size of tiny-llama; the other models are slow tests.
 import pytest
 
 import rung.graphs.compiled as compiled_graphs
+from rung.graphs.direct_call import SizeTensors
 from rung.runtime import LLM, SamplingParams
 
 
@@ -68,7 +69,7 @@ def test_cpp_wrapper_layers_called_directly_match_eager(monkeypatch):
                         {"config_patches": {"cpp_wrapper": True}})
     compiled = _compiled_matches_eager("tiny-llama", [1, 2], num_prompts=2)
     [direct] = compiled.engine.runner.graphs.capture_backend.direct_calls.values()
-    assert isinstance(direct.size_of, compiled_graphs.SizeTensors)
+    assert isinstance(direct.size_of, SizeTensors)
 
 
 @pytest.mark.slow
