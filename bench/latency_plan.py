@@ -1,5 +1,9 @@
 """What `rung bench latency` measures: its flags, the plan they make, and the engine flags
-of each mode's cell."""
+of each mode's cell.
+
+NOTE: no torch at the top: the CLI builds its parser from ``add_latency_args`` /
+``add_prefix_args`` on every command, `rung --help` included.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,6 @@ import argparse
 import copy
 import dataclasses
 import importlib.util
-
-import torch
 
 from rung.core.graph_mode import CUDAGraphMode
 
@@ -38,6 +40,8 @@ class LatencyPlan:
 
     def prompts(self, num_reqs: int, vocab_size: int) -> list[list[int]]:
         """The same random prompts for rung and HF, for a given request count."""
+        import torch
+
         gen = torch.Generator().manual_seed(1000 + num_reqs)
         ids = torch.randint(3, vocab_size, (num_reqs, self.input_len), generator=gen)
         return ids.tolist()
@@ -59,13 +63,22 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
                    help="also time HF transformers generate on the same weights, or "
                         "llama.cpp (pip install 'rung[llamacpp]') on the same GGUF file")
     p.add_argument("--threads", type=int, default=None,
-                   help=f"torch CPU threads (default: torch's own, {torch.get_num_threads()} "
-                        "here)")
+                   help="torch CPU threads (default: torch's own)")
     p.add_argument("--json", default=None, help="write env + one record per cell here")
     p.add_argument("--plot", default=None, help="draw latency vs requests to this image")
     # NOTE: None = sized from the run: max_num_seqs from the largest batch, max_model_len
     # from input + output (a FULL graph's attention reads max_model_len keys).
     p.set_defaults(max_num_seqs=None, max_model_len=None)
+
+
+def add_prefix_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shared-prefix", type=int, default=None, metavar="TOKENS",
+                   help="instead of decode latency: requests sharing a system prompt of "
+                        "this many tokens; reports TTFT with and without prefix caching")
+    p.add_argument("--prefix-requests", type=int, default=32,
+                   help="requests per round of the shared-prefix workload")
+    p.add_argument("--suffix-len", type=int, default=8,
+                   help="tokens of each request's own after the shared prefix")
 
 
 def _positive_ints(text: str, flag: str) -> list[int]:

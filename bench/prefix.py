@@ -26,16 +26,6 @@ from rung.runtime.sampling_params import SamplingParams
 VARIANTS = ("prefix_caching", "no_prefix_caching")
 
 
-def add_prefix_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shared-prefix", type=int, default=None, metavar="TOKENS",
-                   help="instead of decode latency: requests sharing a system prompt of "
-                        "this many tokens; reports TTFT with and without prefix caching")
-    p.add_argument("--prefix-requests", type=int, default=32,
-                   help="requests per round of the shared-prefix workload")
-    p.add_argument("--suffix-len", type=int, default=8,
-                   help="tokens of each request's own after the shared prefix")
-
-
 def _workload(args: argparse.Namespace, vocab_size: int, round_index: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(7000 + round_index)
     system = torch.randint(3, vocab_size, (args.shared_prefix,), generator=gen).tolist()

@@ -81,11 +81,9 @@ def _add_bench(sub: Any) -> None:
     latency = bench_sub.add_parser("latency", help="decode latency vs HF and the matmul floor",
                                    formatter_class=HelpFormatter)
     add_engine_args(latency)
-    from rung.bench.latency_plan import add_latency_args
+    from rung.bench.latency_plan import add_latency_args, add_prefix_args
 
     add_latency_args(latency)
-    from rung.bench.prefix import add_prefix_args
-
     add_prefix_args(latency)
     latency.set_defaults(func=cmd_bench)
     add_bench_serve(bench_sub)

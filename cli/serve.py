@@ -40,10 +40,23 @@ def add_bench_serve(bench_sub: Any) -> None:
                                  "next to LLM.generate on the same prompts",
                                  formatter_class=HelpFormatter)
     add_engine_args(serve)
-    from rung.bench.serve import add_serve_bench_args
-
-    add_serve_bench_args(serve)
+    _add_serve_bench_args(serve)
     serve.set_defaults(func=cmd_bench_serve)
+
+
+def _add_serve_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--streams", default="1,8,32",
+                   help="comma-separated concurrent stream counts")
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="measured rounds per stream count (each: generate, then serve)")
+    p.add_argument("--time-cap", type=float, default=600.0,
+                   help="seconds after which no further round starts")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads, here and in the server")
+    p.add_argument("--json", default=None, help="also write every figure here")
+    p.set_defaults(max_num_seqs=32)
 
 
 def cmd_serve_check() -> None:

@@ -21,6 +21,7 @@ from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.forward_context import ForwardContext, get_forward_context
 from rung.graphs.artifact_cache import ArtifactCache, artifact_key, bind_inputs, input_names
 from rung.graphs.capture import CapturedGraph, EmulatedGraphBackend, memory_identity
+from rung.graphs.direct_call import DirectCall, direct_call
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +207,7 @@ class CompiledGraphBackend(EmulatedGraphBackend):
         super().__init__(poison_hook)
         self.cache = cache
         self.artifacts: dict[str, tuple[Any, list[str]]] = {}   # key -> (artifact, input names)
+        self.direct_calls: dict[str, DirectCall | None] = {}   # see direct_call
 
     def key(self, named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]],
             graph_key: dict[str, Any]) -> str:
@@ -280,9 +282,25 @@ class CompiledGraphBackend(EmulatedGraphBackend):
             self.cache.save(key, artifact, names)
         return artifact, names, compile_s
 
+    def direct_call(self, key: str, named: dict[str, torch.Tensor]
+                    ) -> DirectCall | None:
+        """``direct_call`` of the artifact ``key`` (built by ``layer_artifact``), checked
+        once, on ``named``'s tensors (a capture batch: its KV write goes to pad slots)."""
+        if key not in self.direct_calls:
+            artifact, names = self.artifacts[key]
+            args, sizes = bind_inputs(names, named)
+            for index, (tensor_index, dim) in sizes.items():
+                args[index] = args[tensor_index].shape[dim]
+            self.direct_calls[key] = direct_call(artifact, args)
+            if self.direct_calls[key] is None:
+                logger.info("decoder layer artifact %s is called through inductor's "
+                            "wrappers (they change its arguments or outputs)", key)
+        return self.direct_calls[key]
+
     def forget(self, key: str) -> None:
         """Drop an artifact that failed its check, here and on disk."""
         self.artifacts.pop(key, None)
+        self.direct_calls.pop(key, None)
         if self.cache is not None:
             self.cache.discard(key)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
@@ -26,6 +27,7 @@ from rung.core.forward_context import ForwardContext, forward_context
 from rung.graphs.artifact_cache import bind_inputs
 from rung.graphs.capture import CapturedGraph, memory_identity
 from rung.graphs.compiled import MIN_DYNAMIC_SIZE, CompiledGraphBackend
+from rung.graphs.direct_call import DirectCall, PlainSizes
 from rung.kernels.attention import Attention
 
 logger = logging.getLogger(__name__)
@@ -50,11 +52,15 @@ _PER_LAYER_ATTRIBUTES = frozenset({"layer_name", "kv_sharing_target", "training"
 class _LayerCall:
     """One layer's artifact and its argument list, filled in place at each replay."""
 
-    __slots__ = ("artifact", "args", "hidden_at", "cos_at", "sin_at", "rope", "tables", "sizes")
+    __slots__ = ("run", "size_of", "args", "hidden_at", "cos_at", "sin_at", "rope", "tables",
+                 "sizes")
 
-    def __init__(self, artifact: Callable[..., Any], names: list[str], named: dict,
-                 rope: str, tables: list[torch.Tensor]) -> None:
-        self.artifact = artifact
+    def __init__(self, artifact: Callable[..., Any], direct: DirectCall | None,
+                 names: list[str], named: dict, rope: str, tables: list[torch.Tensor]) -> None:
+        # NOTE: both take a copy of the argument list (the direct call empties it)
+        self.run = (direct.call if direct is not None
+                    else functools.partial(_call_unpacked, artifact))
+        self.size_of = direct.size_of if direct is not None else PlainSizes()
         self.args, sizes = bind_inputs(names, named)
         self.hidden_at, self.cos_at, self.sin_at = (names.index(n) if n in names else None
                                                     for n in ("hidden", "cos", "sin"))
@@ -65,6 +71,10 @@ class _LayerCall:
                             enumerate(self.args) if isinstance(a, torch.Tensor)
                             and memory_identity(a) in table_ids)
         self.sizes = tuple((i, src, dim) for i, (src, dim) in sizes.items())
+
+
+def _call_unpacked(artifact: Callable[..., Any], args: list) -> Any:
+    return artifact(*args)
 
 
 class LayeredGraph(CapturedGraph):
@@ -107,8 +117,8 @@ class LayeredGraph(CapturedGraph):
             for i, t in call.tables:
                 args[i] = cut[t]
             for i, src, dim in call.sizes:
-                args[i] = args[src].shape[dim]
-            hidden = call.artifact(*args)[0]
+                args[i] = call.size_of[args[src].shape[dim]]
+            hidden = call.run(args.copy())[0]
         return parts.norm(hidden)
 
 
@@ -196,8 +206,8 @@ def _bind_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor],
         compiled |= compile_s is not None
         if compile_s is None:
             loaded.add(key)
-        graph.calls.append(_LayerCall(artifact, names, named, rotary,
-                                      [t for t, _ in tables]))
+        graph.calls.append(_LayerCall(artifact, backend.direct_call(key, named), names,
+                                      named, rotary, [t for t, _ in tables]))
         keys.append(key)
     graph.compile_s = 0.0 if compiled else None
     graph.artifact_key = "+".join(dict.fromkeys(keys))

@@ -9,12 +9,14 @@ import importlib.metadata
 import json
 import logging
 import os
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from rung.kernels.int4 import ACTIVATION_DTYPE, check_packable
+from rung.models import weight_cache
 from rung.models.gguf import BLOCK_TYPES, INT4_TYPES, GGUFModel, is_gguf
 from rung.models.layers import (
     STACKED_PARAMS,
@@ -28,7 +30,7 @@ from rung.models.layers import (
 )
 from rung.models.presets import NAMED_FILES, PRESETS, TRAINED_PRESETS
 from rung.models.registry import model_class
-from rung.models.tokenizer import ByteTokenizer, load_tokenizer
+from rung.models.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from rung.models.weights import iterate_safetensors
 
 logger = logging.getLogger(__name__)
@@ -140,13 +142,18 @@ def peek_model(model: str) -> tuple[dict, Any]:
 
 def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
                load_format: str = "auto", seed: int = WEIGHT_SEED,
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, cache_dir: Path | None = None) -> LoadedModel:
+    """``cache_dir``: where a GGUF file's dequantized weights are kept for the next start
+    (models.weight_cache); None keeps none."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} not in {LOAD_FORMATS}")
     check_quantization(quantization, dtype, torch.device(device))
     path = resolve_model_path(model)
     if is_gguf(path):
-        return _load_gguf(path, model, dtype, device, load_format, seed, quantization)
+        cached = (cache_dir is not None and load_format != "dummy" and quantization is None
+                  and torch.device(device).type == "cpu")
+        return _load_gguf(path, model, dtype, device, load_format, seed, quantization,
+                          weight_cache.entry_path(cache_dir, path, dtype) if cached else None)
     if quantization is not None:
         raise ValueError(f"quantization {quantization!r} serves GGUF files; {model!r} is not "
                          "one")
@@ -263,11 +270,50 @@ def check_quantization(quantization: str | None, dtype: torch.dtype,
 
 
 def _load_gguf(path: str, name: str, dtype: torch.dtype, device: str, load_format: str,
-               seed: int, quantization: str | None) -> LoadedModel:
-    gguf_model = _open_gguf(path)
-    cfg = gguf_model.config
+               seed: int, quantization: str | None, cached: Path | None) -> LoadedModel:
+    """``cached``: the weight cache entry of this file (None: no cache)."""
+    header = weight_cache.load_header(cached) if cached is not None else None
+    gguf_model = _open_gguf(path) if header is None else None
+    cfg = header["config"] if header is not None else gguf_model.config
     with torch.device("cpu"), _skip_random_init(load_format != "dummy"):
         net = model_class(cfg)(cfg)
+    if cached is not None and weight_cache.load(net, cached):
+        logger.info("GGUF: dequantized weights mapped from %s", cached)
+        net = net.eval().requires_grad_(False)
+    else:
+        gguf_model = gguf_model or _open_gguf(path)
+        net = _gguf_weights(net, gguf_model, dtype, device, load_format, seed, quantization)
+        if cached is not None:
+            weight_cache.save(net, cached)
+    if header is not None:
+        tokenizer, stop_ids = _cached_tokenizer(header), tuple(header["stop_ids"])
+    else:
+        gguf_model = gguf_model or _open_gguf(path)
+        tokenizer, stop_ids = gguf_model.tokenizer(), gguf_model.generation_stop_ids()
+        if cached is not None:
+            weight_cache.save_header(cached, _header(cfg, tokenizer, stop_ids))
+    return LoadedModel(net, cfg, tokenizer, name, load_format == "dummy", stop_ids)
+
+
+def _header(cfg: dict, tokenizer: HFTokenizer, stop_ids: tuple[int, ...]) -> dict:
+    """What a GGUF file's header gives besides tensors, for models.weight_cache."""
+    return {"config": cfg, "tokenizer": tokenizer._tok.to_str(),
+            "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id,
+            "add_bos_token": tokenizer.add_bos_token, "chat_template": tokenizer.chat_template,
+            "stop_ids": list(stop_ids)}
+
+
+def _cached_tokenizer(header: dict) -> HFTokenizer:
+    from tokenizers import Tokenizer
+
+    return HFTokenizer(Tokenizer.from_str(header["tokenizer"]), header["eos_token_id"],
+                       header["bos_token_id"], header["add_bos_token"],
+                       header["chat_template"])
+
+
+def _gguf_weights(net: nn.Module, gguf_model: GGUFModel, dtype: torch.dtype, device: str,
+                  load_format: str, seed: int, quantization: str | None) -> nn.Module:
+    """``net`` with the file's weights (or random ones), cast and laid out for ``device``."""
     block_names: frozenset[str] = frozenset()
     if load_format == "dummy":
         init_random_weights(net, seed)
@@ -284,5 +330,4 @@ def _load_gguf(path: str, name: str, dtype: torch.dtype, device: str, load_forma
     pack_quant_linears(net, device)
     if torch.device(device).type == "cpu":
         pretranspose_linear_weights(net)
-    return LoadedModel(net, cfg, gguf_model.tokenizer(), name, load_format == "dummy",
-                       gguf_model.generation_stop_ids())
+    return net

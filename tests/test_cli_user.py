@@ -192,6 +192,16 @@ def test_version_and_help():
     _assert_every_flag_has_help(parser, "rung")
 
 
+def test_building_the_parser_imports_no_torch():
+    """Every command builds the whole parser first: with torch (or numpy) imported there,
+    `rung --help` and every start-up paid seconds for it."""
+    code = ("import sys; from rung.cli.main import make_parser; make_parser(); "
+            "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def _assert_every_flag_has_help(parser, name: str) -> None:
     for action in parser._actions:
         assert action.help, f"{name} {action.option_strings or action.dest} has no help"

@@ -7,6 +7,7 @@ compiles one size of tiny-llama; the other models are slow tests.
 import pytest
 
 import rung.graphs.compiled as compiled_graphs
+from rung.graphs.direct_call import SizeTensors
 from rung.runtime import LLM, SamplingParams
 
 
@@ -36,7 +37,7 @@ def _compiled(model: str, sizes: list[int], cache_dir: str | None = None) -> LLM
                **KWARGS)
 
 
-def _compiled_matches_eager(model: str, sizes: list[int], num_prompts: int) -> None:
+def _compiled_matches_eager(model: str, sizes: list[int], num_prompts: int) -> LLM:
     compiled = _compiled(model, sizes)
     eager = LLM(model, enforce_eager=True, **KWARGS)
     graphs = compiled.engine.runner.graphs
@@ -50,11 +51,25 @@ def _compiled_matches_eager(model: str, sizes: list[int], num_prompts: int) -> N
     assert bool(poisoned) == compiled.engine.config.debug_padding
     replays = compiled.engine.stats()["graph_replays"]
     assert replays and set(replays) <= {f"FULL:{s}" for s in sizes}, replays
+    return compiled
 
 
 def test_compiled_full_decode_matches_eager_llama():
     # 1 and 2 decoding requests both replay the size-2 graph (one pad row, then none)
-    _compiled_matches_eager("tiny-llama", [2], num_prompts=2)
+    compiled = _compiled_matches_eager("tiny-llama", [2], num_prompts=2)
+    # every layer is called past inductor's wrappers (graphs.compiled.direct_call)
+    direct = compiled.engine.runner.graphs.capture_backend.direct_calls
+    assert direct and None not in direct.values()
+
+
+@pytest.mark.slow
+def test_cpp_wrapper_layers_called_directly_match_eager(monkeypatch):
+    """The production wrapper (C++): layers called directly, sizes as 0-dim tensors."""
+    monkeypatch.setattr(compiled_graphs, "INDUCTOR_OPTIONS",
+                        {"config_patches": {"cpp_wrapper": True}})
+    compiled = _compiled_matches_eager("tiny-llama", [1, 2], num_prompts=2)
+    [direct] = compiled.engine.runner.graphs.capture_backend.direct_calls.values()
+    assert isinstance(direct.size_of, SizeTensors)
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import torch
 from helpers import assert_matches_hf, random_prompts
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from rung.models import loader
 from rung.models.gguf import GGUFModel, dequantize_numpy
 from rung.models.loader import load_model, resolve_model_path
 from rung.runtime import LLM, SamplingParams
@@ -273,3 +274,55 @@ def test_cli_generate_chat(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "--- 'the' -> (3 tokens, length)" in out
+
+
+def _ties(net) -> list[list[str]]:
+    groups: dict[int, list[str]] = {}
+    for name, t in [*net.named_parameters(remove_duplicate=False),
+                    *net.named_buffers(remove_duplicate=False)]:
+        groups.setdefault(id(t), []).append(name)
+    return sorted(g for g in groups.values() if len(g) > 1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_second_load_maps_the_cached_dequantized_weights(tmp_path, arch, monkeypatch):
+    """A GGUF file's dequantized weights are cached on the first load and mapped on the
+    next: the same values, layouts (transposed linears), ties and buffers as a load from
+    the file; an unreadable entry is dropped and the file loaded again."""
+    path = write_gguf(tmp_path / "q.gguf", _hf_model(arch), arch, qtype="Q8_0")
+    cache = tmp_path / "cache"
+    uncached_load = load_model(path)
+    uncached = uncached_load.model
+    first = load_model(path, cache_dir=cache).model
+    [entry] = (cache / "weights").glob("*.pt")
+    with monkeypatch.context() as m:                       # no GGUF header parsed
+        m.setattr(loader, "_open_gguf", lambda _: pytest.fail("parsed the GGUF file"))
+        mapped_load = load_model(path, cache_dir=cache)
+    mapped = mapped_load.model
+    text = "hello world, hello"
+    for field in ("config", "generation_stop_ids"):
+        assert getattr(mapped_load, field) == getattr(uncached_load, field)
+    tok, want_tok = mapped_load.tokenizer, uncached_load.tokenizer
+    assert tok.encode(text) == want_tok.encode(text) and tok.decode(tok.encode(text)) == text
+    assert (tok.chat_template, tok.eos_token_id, tok.bos_token_id, tok.add_bos_token) == (
+        want_tok.chat_template, want_tok.eos_token_id, want_tok.bos_token_id,
+        want_tok.add_bos_token)
+
+    def tensors(net):
+        named = dict(net.named_parameters(remove_duplicate=False))
+        named.update(net.named_buffers(remove_duplicate=False))
+        return named
+
+    want = tensors(uncached)
+    for net in (first, mapped):
+        got = tensors(net)
+        assert list(got) == list(want)
+        for name, t in want.items():
+            assert torch.equal(got[name], t) and got[name].stride() == t.stride(), name
+            assert type(got[name]) is type(t), name
+        assert list(net.state_dict()) == list(uncached.state_dict())
+        assert _ties(net) == _ties(uncached)           # tied names share one tensor object
+    entry.write_bytes(b"not weights")
+    again = load_model(path, cache_dir=cache).model
+    assert all(torch.equal(t, want[n]) for n, t in tensors(again).items())
+    assert entry.stat().st_size > 100                        # rewritten from the file

@@ -7,11 +7,13 @@ import logging
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 from tqdm import tqdm
 
+from rung.graphs.artifact_cache import default_cache_dir
 from rung.graphs.backends import resolve_graph_backend
 from rung.graphs.builder import GraphBuilder
 from rung.graphs.ladder import capture_sizes
@@ -35,7 +37,7 @@ def load_target(config: EngineConfig) -> tuple[LoadedModel, int]:
             config.compilation.graph_backend, torch.device(config.device)) == "compiled":
         _import_inductor_meanwhile()
     loaded = load_model(config.model, config.dtype, str(config.device), config.load_format,
-                        quantization=config.quantization)
+                        quantization=config.quantization, cache_dir=_cache_dir(config))
     if isinstance(loaded.model, DraftModel):
         raise ValueError(f"model {config.model!r} is an MTP drafter, not a model to serve: "
                          "pass it as speculative_config={'method': 'mtp', 'model': "
@@ -48,11 +50,29 @@ def load_target(config: EngineConfig) -> tuple[LoadedModel, int]:
     return loaded, max_model_len
 
 
+def _cache_dir(config: EngineConfig) -> Path | None:
+    """rung's disk cache (compiled graphs, a GGUF file's dequantized weights):
+    ``compilation_config.cache_dir``, its default when None, none when ""."""
+    root = config.compilation.cache_dir
+    if root == "":
+        return None
+    return Path(root) if root else default_cache_dir()
+
+
 def _import_inductor_meanwhile() -> None:
     """Import inductor (which loads compiled graphs) in a thread while the model loads:
-    seconds of Python that would otherwise delay the first graph, or a step."""
+    seconds of Python that would otherwise delay the first graph, or a step. The thread
+    also does what inductor does once per process before it loads an artifact: pick the
+    CPU's vector ISA (it builds and loads a probe per ISA in subprocesses: seconds spent
+    waiting, GIL released) and hash torch's own source (the key every artifact carries)."""
     def run() -> None:
+        import torch._inductor.compile_fx  # noqa: F401 - what loading an artifact imports
         import torch._inductor.standalone_compile  # noqa: F401
+        from torch._inductor.codecache import torch_key
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        pick_vec_isa()
+        torch_key()
     threading.Thread(target=run, name="rung-import-inductor", daemon=True).start()
 
 
