@@ -160,3 +160,38 @@ def test_a_reused_request_id_gets_its_own_blocks(debug_padding):
     # NOTE: the old "x" held blocks [3, 4]; "y" took 3 when "x" freed it. A block-table row
     # cached by request id would hand the new "x" those stale ids.
     assert _reuse_id_run("x") == _reuse_id_run("x2")
+
+
+
+def _resident_mib(tensors) -> float:
+    """Resident MiB of the memory mappings that hold ``tensors`` (/proc/self/smaps)."""
+    starts = {t.data_ptr() for t in tensors}
+    found, total, inside = set(), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = any(lo <= p < hi for p in starts) and (lo, hi) not in found
+                if inside:
+                    found.add((lo, hi))
+            elif inside and head == "Rss:":
+                total += int(line.split()[1])
+    return total / 1024
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="Linux only")
+def test_a_large_kv_cache_is_not_resident_until_requests_write_it():
+    """A start-up with a long max_model_len must not write (and pay for) the whole KV cache
+    up front: its memory becomes resident as requests fill blocks, and reads as zeros."""
+    llm = _llm(max_num_seqs=128, max_num_batched_tokens=128, max_model_len=2048)
+    caches = list(llm.engine.runner.kv_caches.values())
+    total_mib = sum(c.numel() * c.element_size() for c in caches) / 2**20
+    assert total_mib >= 64
+    assert _resident_mib(caches) < total_mib / 8
+    assert not caches[0][:, -4:].any()
+    prompt, greedy = ["fill a few blocks"], SamplingParams(temperature=0, max_tokens=8)
+    tokens = llm.generate(prompt, greedy)[0].outputs[0].token_ids
+    assert tokens == _llm().generate(prompt, greedy)[0].outputs[0].token_ids
+    assert _resident_mib(caches) < total_mib / 8
+    assert _all_free(llm)

@@ -17,7 +17,7 @@ from rung.core.graph_mode import CUDAGraphMode
 from rung.core.kv_cache_spec import KVCacheGroup, group_layers_by_spec
 from rung.graphs.dispatcher import Dispatcher
 from rung.kernels.attention import Attention
-from rung.kernels.backend import AttentionBackend, kv_cache_shape
+from rung.kernels.backend import AttentionBackend, allocate_kv_cache
 from rung.kernels.selector import select_backend
 from rung.models.loader import LoadedModel
 from rung.runtime.config import EngineConfig
@@ -168,10 +168,9 @@ class ModelRunner:
     def _bind_kv_caches(self) -> None:
         self.kv_caches: dict[str, torch.Tensor] = {}
         for group in self.kv_groups:
-            shape = kv_cache_shape(group.spec, self.num_blocks)
             for name in group.layer_names:
-                self.kv_caches[name] = torch.zeros(shape, dtype=group.spec.dtype,
-                                                   device=self.device)
+                self.kv_caches[name] = allocate_kv_cache(group.spec, self.num_blocks,
+                                                         self.device)
         for name, layer in self.layers.items():
             layer.bind(self.backend, self.kv_caches[layer.kv_sharing_target or name])
 
