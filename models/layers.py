@@ -9,7 +9,7 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from rung.kernels.gguf_cpu import GGUFBlockWeight, gguf_gemm, stack_rows
+from rung.kernels.gguf_cpu import GGUFBlockWeight, gguf_gemm, load_kernel, stack_rows
 from rung.kernels.gguf_cpu import available as gguf_cpu_available
 from rung.kernels.int4 import ACTIVATION_DTYPE, Int4Weight, int4_mm, pack_int4
 
@@ -100,6 +100,7 @@ class QuantLinear(nn.Module):
         self.type_name = weight.type_name
         self.kernel = kernel or quant_kernel(torch.device(device))
         if self.kernel == "rung":
+            load_kernel()       # NOTE: before any graph runs: it registers the op's CPU kernel
             self.rows = weight.rows
             return
         if weight.bits != 4:
