@@ -140,17 +140,17 @@ static inline __m256 dot_q4_pair(__m256i lo, __m256i hi, __m256i xlo, __m256i xh
 }
 
 /* Blocks [g, g + nblk) of NB weight rows x MB activation rows into acc, the scales
- * dd[i][j] (lane b: block g + b) in registers. */
+ * dd[i][j] (lane lane0 + b: block g + b) in registers. */
 static inline __attribute__((always_inline)) void chunk(
-        int NB, int MB, int type, int nblk, const Rounded *a, const uint8_t *const *values,
-        int64_t g, int64_t m0, __m256 dd[MAX_WROWS][MAX_ROWS],
+        int NB, int MB, int type, int nblk, int lane0, const Rounded *a,
+        const uint8_t *const *values, int64_t g, int64_t m0, __m256 dd[MAX_WROWS][MAX_ROWS],
         __m256 acc[MAX_WROWS][MAX_ROWS]) {
     const int8_t *xq = a->xq + m0 * a->K + g * QK;
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     int b = 0;
     if (type == Q8_0) {
         for (; b < nblk; ++b) {
-            const __m256i sel = _mm256_set1_epi32(b);
+            const __m256i sel = _mm256_set1_epi32(lane0 + b);
             for (int i = 0; i < NB; ++i) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(values[i] + (g + b) * 32));
                 for (int j = 0; j < MB; ++j) {
@@ -163,7 +163,8 @@ static inline __attribute__((always_inline)) void chunk(
         return;
     }
     for (; b + 2 <= nblk; b += 2) {
-        const __m256i sel = _mm256_setr_epi32(b, b, b, b, b + 1, b + 1, b + 1, b + 1);
+        const int l = lane0 + b;
+        const __m256i sel = _mm256_setr_epi32(l, l, l, l, l + 1, l + 1, l + 1, l + 1);
         __m256i xlo[MAX_ROWS], xhi[MAX_ROWS];
         for (int j = 0; j < MB; ++j) {
             xlo[j] = _mm256_loadu_si256((const __m256i *)(xq + j * a->K + b * QK));
@@ -179,7 +180,7 @@ static inline __attribute__((always_inline)) void chunk(
         }
     }
     if (b < nblk) {             /* the last block of an odd G, its activations in order */
-        const __m256i sel = _mm256_set1_epi32(b);
+        const __m256i sel = _mm256_set1_epi32(lane0 + b);
         for (int i = 0; i < NB; ++i) {
             const __m128i v = _mm_loadu_si128((const __m128i *)(values[i] + (g + b) * 16));
             const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nibble);
@@ -212,26 +213,36 @@ static inline __attribute__((always_inline)) void tile(
     const char *ahead = (const char *)(weight + n0 * row_bytes) + PREFETCH_AHEAD;
     for (int64_t g = 0; g < G; g += CHUNK) {
         const int nblk = G - g < CHUNK ? (int)(G - g) : CHUNK;
+        /* NOTE: a last chunk of nblk < 8 blocks reads the scales of the last 8 (lanes
+         * from lane0 = 8 - nblk on are its own, the z term masks the others): no read
+         * past a row's scales, no copy; only a row of under 8 blocks copies them. */
+        const int64_t base = nblk == CHUNK || G < CHUNK ? g : G - CHUNK;
+        const int lane0 = (int)(g - base);
         const int64_t chunk_bytes = NB * nblk * block_bytes(type);
         for (int64_t off = 0; off < chunk_bytes; off += 64)
             _mm_prefetch(ahead + off, _MM_HINT_T0);
         ahead += chunk_bytes;
+        const __m256 own = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(lane0 - 1)));
         __m256 dd[MAX_WROWS][MAX_ROWS];
         for (int i = 0; i < NB; ++i) {
-            const __m256 dv = load_f16(d[i] + g, nblk);
-            const __m256 z = type == Q4_1 ? load_f16(d[i] + G + g, nblk)
-                                          : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
+            const int n = G < CHUNK ? nblk : CHUNK;
+            const __m256 dv = load_f16(d[i] + base, n);
+            __m256 z = type == Q4_1 ? load_f16(d[i] + G + base, n)
+                                    : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
+            if (lane0)
+                z = _mm256_and_ps(z, own);
             for (int j = 0; j < MB; ++j) {
-                const int64_t r = (m0 + j) * a->G_padded + g;
+                const int64_t r = (m0 + j) * a->G_padded + base;
                 dd[i][j] = _mm256_mul_ps(dv, _mm256_loadu_ps(a->dx + r));
                 if (type != Q8_0)   /* the z term of all 8 blocks, summed with the rest */
                     acc[i][j] = _mm256_fmadd_ps(z, _mm256_loadu_ps(a->xsum + r), acc[i][j]);
             }
         }
         if (nblk == CHUNK)
-            chunk(NB, MB, type, CHUNK, a, values, g, m0, dd, acc);
+            chunk(NB, MB, type, CHUNK, 0, a, values, g, m0, dd, acc);
         else
-            chunk(NB, MB, type, nblk, a, values, g, m0, dd, acc);
+            chunk(NB, MB, type, nblk, lane0, a, values, g, m0, dd, acc);
     }
     for (int i = 0; i < NB; ++i)
         for (int j = 0; j < MB; ++j)
