@@ -57,11 +57,12 @@ def test_gguf_blocks_load_losslessly(type_name):
 @needs_kernel
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 8, 9])
-@pytest.mark.parametrize("num_cols", [320, 288])
+@pytest.mark.parametrize("num_cols", [320, 288, 96])
 def test_cpu_kernel_matches_its_reference(type_name, num_rows, num_cols):
     """Every tile of the kernel (1-4 activation rows, weight rows in fours and a tail of
-    two; 4-bit blocks in pairs, 8 a chunk: K = 320 is 10 blocks, a chunk and a pair; K =
-    288 is 9, the last block alone) equals the fp64 reference of the same formula. NOTE:
+    two; 4-bit blocks in pairs, 8 a chunk: K = 320 is 10 blocks, a chunk and a pair read
+    with the last 8 blocks' scales; K = 288 is 9, the last block alone; K = 96 is a row
+    under a chunk) equals the fp64 reference of the same formula. NOTE:
     tolerance 2e-6 of the output scale: fp32 accumulation over K in another order; a
     wrong nibble or pair order, a dropped group or the sign trick of 8-bit weights fails
     it by 100x."""
