@@ -12,9 +12,12 @@ and the kernel reads as many bytes as llama.cpp. The activation rounding is the 
 only approximation, and ``gguf_gemm_reference`` (torch, fp64) is the same formula, the
 tests' oracle.
 
-The C source is compiled once per machine with the system C compiler (the one inductor
-uses) into ``$RUNG_CACHE_DIR/kernels`` and called through ctypes; inside compiled graphs
-it is the op ``rung::gguf_gemm`` (an opaque call inductor keeps).
+The kernel is the op ``rung::gguf_gemm`` (an opaque call inductor keeps in compiled
+graphs), its CPU implementation in C++ (``csrc/gguf_op.cpp``): the dispatcher calls the C
+kernel with no Python in between. Both are compiled once per machine and torch version
+with the system compilers (the C++ one inductor uses) into ``$RUNG_CACHE_DIR/kernels``
+(~15 s of CPU the first time, torch's headers; loading the cached library takes
+milliseconds).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -36,7 +40,9 @@ logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32                   # GGUF's block: 32 weights, one scale (and offset)
 _SOURCE = Path(__file__).parent / "csrc" / "gguf_gemm.c"
+_OP_SOURCE = Path(__file__).parent / "csrc" / "gguf_op.cpp"
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC"]
+_CXXFLAGS = ["-O2", "-std=c++17", "-shared", "-fPIC", "-w"]
 
 
 # GGUF type -> bytes a block (values, f16 d, Q4_1's f16 m) and code of csrc/gguf_gemm.c
@@ -117,6 +123,49 @@ def stack_rows(shards: list[GGUFBlockWeight]) -> GGUFBlockWeight:
     return GGUFBlockWeight(torch.cat([s.rows for s in shards]), shards[0].type_name)
 
 
+HUGE_PAGE = 2 << 20                # x86-64's transparent huge page
+_MADV_HUGEPAGE = 14
+
+
+def rows_in_one_buffer(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``rows`` (uint8 weights) copied back to back into one buffer, in the given order
+    (a forward's call order), asked for transparent huge pages; views into it.
+
+    NOTE: a decode step streams every weight from DRAM once. In one buffer the kernel's
+    prefetch past the end of a weight warms the next one, and on huge pages neither the
+    TLB nor the hardware prefetcher stops at each 4 KB page (torch's allocator asks for
+    none; THP is "madvise" on most distributions): SmolLM2's step matmuls, one thread,
+    41 interleaved rounds at load 2.5: 9.66 vs 11.15 ms (bench/gguf_kernel_ab.py's
+    weights, separate tensors vs this buffer). Without THP the buffer is still one.
+    """
+    if not rows:
+        return []
+    total = sum(_aligned(r.numel()) for r in rows)
+    buffer = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)
+    start = _aligned(buffer.data_ptr(), HUGE_PAGE) - buffer.data_ptr()
+    _advise_huge_pages(buffer.data_ptr() + start, total)
+    views, offset = [], start
+    for r in rows:
+        view = buffer[offset:offset + r.numel()].view(r.shape)
+        view.copy_(r)
+        views.append(view)
+        offset += _aligned(r.numel())
+    return views
+
+
+def _aligned(value: int, alignment: int = 64) -> int:
+    return -(-value // alignment) * alignment
+
+
+def _advise_huge_pages(address: int, length: int) -> None:
+    """madvise(MADV_HUGEPAGE) before the first touch; a no-op where it is refused."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE)
+    except (OSError, AttributeError):      # not Linux, or no madvise: small pages
+        pass
+
+
 def dequantize_reference(weight: GGUFBlockWeight) -> torch.Tensor:
     """The weight [N, K] in fp32 (the block formula, exact: fp32 scale times small ints)."""
     scale = weight.scale().repeat_interleave(GROUP_SIZE, dim=1)          # [N, K]
@@ -142,30 +191,18 @@ def gguf_gemm_reference(x: torch.Tensor, weight: GGUFBlockWeight) -> torch.Tenso
 
 
 def gguf_gemm(x: torch.Tensor, weight: GGUFBlockWeight) -> torch.Tensor:
-    """x [M, K] fp32 @ w^T -> [M, N] fp32 (eager; compiled graphs call ``rung::gguf_gemm``)."""
-    code = TYPE_CODES[weight.type_name]
-    if torch.compiler.is_compiling():
-        return torch.ops.rung.gguf_gemm.default(x, weight.rows, code)
-    return _gemm(x, weight.rows, code)
+    """x [M, K] @ w^T -> [M, N] fp32 (x of any float dtype, cast to fp32), eagerly or
+    inside a compiled graph: the op ``rung::gguf_gemm``."""
+    if not torch.compiler.is_compiling():
+        load_kernel()
+    return torch.ops.rung.gguf_gemm.default(x, weight.rows, TYPE_CODES[weight.type_name])
 
 
-def _gemm(x: torch.Tensor, rows: torch.Tensor, code: int) -> torch.Tensor:
-    num_rows, num_cols = x.shape
-    if x.dtype != torch.float32 or not x.is_contiguous():
-        x = x.float().contiguous()
-    out = torch.empty(num_rows, rows.shape[0], dtype=torch.float32)
-    status = _library().gguf_gemm(x.data_ptr(), num_rows, num_cols, rows.data_ptr(),
-                                  rows.shape[0], code, out.data_ptr())
-    if status:
-        raise MemoryError(f"gguf_gemm: no scratch memory for {num_rows} x {num_cols} rows")
-    return out
-
-
-# NOTE: registered through torch.library.Library, not torch.library.custom_op: the latter's
-# Python wrapper costs ~50 us a call (211 calls a SmolLM2 step), the plain dispatcher ~8 us.
+# NOTE: the CPU kernel is csrc/gguf_op.cpp (``load_kernel``): a Python kernel behind the
+# dispatcher cost ~10 us more a call than an aten op's (at load 5: 20 vs 10.7 us a call,
+# ~120 calls a step).
 _LIBRARY = torch.library.Library("rung", "FRAGMENT")
 _LIBRARY.define("gguf_gemm(Tensor x, Tensor rows, int code) -> Tensor")
-_LIBRARY.impl("gguf_gemm", _gemm, "CPU")
 _LIBRARY.impl("gguf_gemm", lambda x, rows, code: x.new_empty(
     x.shape[0], rows.shape[0], dtype=torch.float32), "Meta")
 
@@ -176,11 +213,18 @@ def available() -> str | None:
         return f"the CPU lacks AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
     if _compiler() is None:
         return "no C compiler (cc, gcc or clang) on PATH"
+    if _cxx_compiler() is None:
+        return "no C++ compiler (c++, g++ or clang++) on PATH"
     return None
 
 
 def _compiler() -> str | None:
     return next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang")
+                 if c and shutil.which(c)), None)
+
+
+def _cxx_compiler() -> str | None:
+    return next((c for c in (os.environ.get("CXX"), "c++", "g++", "clang++")
                  if c and shutil.which(c)), None)
 
 
@@ -191,27 +235,36 @@ def _cache_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL:
-    """The compiled kernel, built on first use (about a second) and cached by source hash."""
+def load_kernel() -> None:
+    """Register the op's CPU kernel, building it on first use and caching it by its
+    sources, flags and torch version."""
     why = available()
     if why is not None:
         raise RuntimeError(f"rung's GGUF CPU kernel cannot run: {why}")
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(_CFLAGS).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"gguf_gemm-{digest}.so"
+    from torch.utils import cpp_extension
+
+    torch_lib = cpp_extension.library_paths()[0]
+    cxxflags = [*_CXXFLAGS, *(f"-I{p}" for p in cpp_extension.include_paths()),
+                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    key = b"".join([_SOURCE.read_bytes(), _OP_SOURCE.read_bytes(),
+                    " ".join(_CFLAGS + cxxflags + [torch.__version__]).encode()])
+    path = _cache_dir() / f"gguf_op-{hashlib.sha256(key).hexdigest()[:16]}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            built = Path(tmp) / path.name
-            cmd = [_compiler(), *_CFLAGS, "-o", str(built), str(_SOURCE)]
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode:
-                raise RuntimeError(f"compiling {_SOURCE.name} failed ({' '.join(cmd)}):\n"
-                                   f"{result.stderr}")
+            obj, built = Path(tmp) / "gguf_gemm.o", Path(tmp) / path.name
+            _run([_compiler(), *_CFLAGS, "-c", "-o", str(obj), str(_SOURCE)])
+            _run([_cxx_compiler(), *cxxflags, "-o", str(built), str(_OP_SOURCE), str(obj),
+                  f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu"])
             os.replace(built, path)          # NOTE: atomic: a racing process sees all or none
-        logger.info("compiled the GGUF CPU kernel into %s", path)
-    lib = ctypes.CDLL(str(path))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.gguf_gemm.argtypes = [ptr, i64, i64, ptr, i64, ctypes.c_int, ptr]
-    lib.gguf_gemm.restype = ctypes.c_int
-    return lib
+        logger.info("compiled the GGUF CPU kernel into %s in %.1f s", path,
+                    time.perf_counter() - start)
+    torch.ops.load_library(str(path))
+
+
+def _run(cmd: list[str]) -> None:
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"compiling rung's GGUF CPU kernel failed ({' '.join(cmd)}):\n"
+                           f"{result.stderr}")

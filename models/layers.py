@@ -9,7 +9,13 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from rung.kernels.gguf_cpu import GGUFBlockWeight, gguf_gemm, stack_rows
+from rung.kernels.gguf_cpu import (
+    GGUFBlockWeight,
+    gguf_gemm,
+    load_kernel,
+    rows_in_one_buffer,
+    stack_rows,
+)
 from rung.kernels.gguf_cpu import available as gguf_cpu_available
 from rung.kernels.int4 import ACTIVATION_DTYPE, Int4Weight, int4_mm, pack_int4
 
@@ -100,6 +106,7 @@ class QuantLinear(nn.Module):
         self.type_name = weight.type_name
         self.kernel = kernel or quant_kernel(torch.device(device))
         if self.kernel == "rung":
+            load_kernel()       # NOTE: before any graph runs: it registers the op's CPU kernel
             self.rows = weight.rows
             return
         if weight.bits != 4:
@@ -151,10 +158,15 @@ def tied_head_fp32_t(model: nn.Module) -> torch.Tensor | None:
 
 
 def pack_quant_linears(model: nn.Module, device: torch.device | str) -> None:
-    """Pack every ``QuantLinear`` of ``model`` for ``device`` once its weights are loaded."""
-    for module in model.modules():
-        if isinstance(module, QuantLinear):
-            module.pack(torch.device(device))
+    """Pack every ``QuantLinear`` of ``model`` for ``device`` once its weights are loaded;
+    the rows of rung's CPU kernel go into one buffer in module order (a forward's call
+    order, the tied head last; see ``rows_in_one_buffer``)."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for layer in layers:
+        layer.pack(torch.device(device))
+    cpu = [layer for layer in layers if layer.kernel == "rung"]
+    for layer, rows in zip(cpu, rows_in_one_buffer([layer.rows for layer in cpu])):
+        layer.rows = rows
 
 
 def pretranspose_linear_weights(model: nn.Module) -> int:

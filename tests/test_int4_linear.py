@@ -57,13 +57,17 @@ def test_gguf_blocks_load_losslessly(type_name):
 @needs_kernel
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 8, 9])
-def test_cpu_kernel_matches_its_reference(type_name, num_rows):
+@pytest.mark.parametrize("num_cols", [320, 288, 96])
+def test_cpu_kernel_matches_its_reference(type_name, num_rows, num_cols):
     """Every tile of the kernel (1-4 activation rows, weight rows in fours and a tail of
-    two) equals the fp64 reference of the same formula. NOTE: tolerance 2e-6 of the output
-    scale: fp32 accumulation over K = 320 in another order; a wrong nibble order, a
-    dropped group or the sign trick of 8-bit weights fails it by 100x."""
-    weight = _random_blocks(70, 320, type_name, seed=num_rows)
-    x = torch.randn(num_rows, 320, generator=torch.Generator().manual_seed(num_rows)) * 3
+    two; 4-bit blocks in pairs, 8 a chunk: K = 320 is 10 blocks, a chunk and a pair read
+    with the last 8 blocks' scales; K = 288 is 9, the last block alone; K = 96 is a row
+    under a chunk) equals the fp64 reference of the same formula. NOTE:
+    tolerance 2e-6 of the output scale: fp32 accumulation over K in another order; a
+    wrong nibble or pair order, a dropped group or the sign trick of 8-bit weights fails
+    it by 100x."""
+    weight = _random_blocks(70, num_cols, type_name, seed=num_rows)
+    x = torch.randn(num_rows, num_cols, generator=torch.Generator().manual_seed(num_rows)) * 3
     got, want = gguf_gemm(x, weight), gguf_gemm_reference(x, weight)
     assert got.shape == (num_rows, 70) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=2e-6 * want.abs().max().item(), rtol=0)

@@ -1,0 +1,126 @@
+"""rung's GGUF CPU kernel, two or more builds of it A/B in one process, on SmolLM2's step.
+
+Each ``--source NAME=FILE.c`` is compiled with ``kernels/gguf_cpu.py``'s flags (or
+``--cflags``) into a temporary library; every round runs one decode step's matmuls (30
+layers of q/k/v, o, gate/up, down in Q4_1, the tied head in Q8_0, as in SmolLM2's file;
+random blocks) through each build in turn, A B A B ..., called straight through ctypes
+with preallocated inputs and outputs, so only the kernel is timed. The default compares
+the committed kernel (``git show HEAD:kernels/csrc/gguf_gemm.c``) with the working tree's.
+
+    OMP_NUM_THREADS=1 python -m rung.bench.gguf_kernel_ab --rows 1 --rounds 21
+
+Per build: the step's median and minimum (layers alone, head alone; on a shared machine
+the minimum is the round least disturbed), GB/s over the bytes read and cycles a block
+at ``--ghz`` (both from the median), and the median's ratio to the first build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from rung.kernels import gguf_cpu
+
+# SmolLM2-135M: (out, in) of q/k/v, o, gate/up, down x 30 layers (Q4_1), tied head (Q8_0)
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+NUM_LAYERS, HEAD_SHAPE = 30, (49152, 576)
+
+
+def _compile(source: Path, cflags: list[str], out_dir: Path, name: str) -> ctypes.CDLL:
+    path = out_dir / f"{name}.so"
+    cmd = [gguf_cpu._compiler(), *cflags, "-o", str(path), str(source)]
+    subprocess.run(cmd, check=True)
+    lib = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.gguf_gemm.argtypes = [ptr, i64, i64, ptr, i64, ctypes.c_int, ptr]
+    lib.gguf_gemm.restype = ctypes.c_int
+    return lib
+
+
+def _weights(gen: torch.Generator) -> list[gguf_cpu.GGUFBlockWeight]:
+    shapes = LAYER_SHAPES * NUM_LAYERS + [HEAD_SHAPE]
+    types = ["Q4_1"] * (len(shapes) - 1) + ["Q8_0"]
+    weights = []
+    for (n, k), t in zip(shapes, types):
+        raw = torch.randint(0, 256, (n, k // 32, gguf_cpu.BLOCK_BYTES[t]), generator=gen,
+                            dtype=torch.uint8)
+        raw[..., :4] = torch.tensor([0x00, 0x20, 0x00, 0x20], dtype=torch.uint8)  # f16s
+        weights.append(gguf_cpu.GGUFBlockWeight.from_file_blocks(raw.reshape(n, -1), t))
+    return weights
+
+
+def _calls(weights: list[gguf_cpu.GGUFBlockWeight], rows: int,
+           gen: torch.Generator) -> list[tuple]:
+    """(x ptr, M, K, rows ptr, N, code, out ptr) per matmul; the tensors stay referenced."""
+    calls = []
+    for w in weights:
+        n, k = w.shape
+        x, out = torch.randn(rows, k, generator=gen), torch.empty(rows, n)
+        calls.append(((x, out), (x.data_ptr(), rows, k, w.rows.data_ptr(), n,
+                                 gguf_cpu.TYPE_CODES[w.type_name], out.data_ptr())))
+    return calls
+
+
+def _run(lib: ctypes.CDLL, calls: list[tuple]) -> float:
+    gemm = lib.gguf_gemm
+    start = time.perf_counter()
+    for _, args in calls:
+        gemm(*args)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--source", action="append", default=[],
+                   help="NAME=FILE.c (repeatable); default: HEAD and the working tree")
+    p.add_argument("--cflags", default=" ".join(gguf_cpu._CFLAGS))
+    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=21)
+    p.add_argument("--ghz", type=float, default=2.45, help="for cycles a block")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        sources = dict(s.split("=", 1) for s in args.source)
+        if not sources:
+            head = Path(tmp) / "head.c"
+            head.write_bytes(subprocess.run(
+                ["git", "show", "HEAD:kernels/csrc/gguf_gemm.c"], check=True,
+                capture_output=True, cwd=gguf_cpu._SOURCE.parent).stdout)
+            sources = {"HEAD": str(head), "worktree": str(gguf_cpu._SOURCE)}
+        libs = {name: _compile(Path(src), args.cflags.split(), Path(tmp), name)
+                for name, src in sources.items()}
+        gen = torch.Generator().manual_seed(0)
+        weights = _weights(gen)
+        calls = _calls(weights, args.rows, gen)
+        parts = {"step": calls, "layers": calls[:-1], "head": calls[-1:]}
+        seconds = {(n, part): [] for n in libs for part in parts}
+        for _ in range(args.rounds):
+            for name, lib in libs.items():
+                for part, part_calls in parts.items():
+                    seconds[name, part].append(_run(lib, part_calls))
+    blocks = {part: sum(w.shape[0] * w.num_groups for w in ws) for part, ws in
+              (("step", weights), ("layers", weights[:-1]), ("head", weights[-1:]))}
+    nbytes = {part: sum(w.rows.numel() for w in ws) for part, ws in
+              (("step", weights), ("layers", weights[:-1]), ("head", weights[-1:]))}
+    print(f"{args.rows} rows, 1 thread, {args.rounds} rounds, load average "
+          f"{os.getloadavg()[0]:.1f}, cflags {args.cflags}")
+    first = next(iter(libs))
+    for (name, part), values in seconds.items():
+        med = statistics.median(values)
+        ratio = med / statistics.median(seconds[first, part])
+        print(f"{name:10s} {part:6s} {med * 1e3:7.2f} ms (min {min(values) * 1e3:7.2f})"
+              f"  {nbytes[part] / med / 1e9:5.1f} GB/s"
+              f"  {med * args.ghz * 1e9 / blocks[part] / args.rows:5.2f} cycles/block/row"
+              f"  x{ratio:.3f} of {first}")
+
+
+if __name__ == "__main__":
+    main()
