@@ -203,7 +203,7 @@ class GraphManager:
         built_s = 0.0 if self._symbolic(desc) else self._symbolic_from_two_rows(desc)
         symbolic = built_s is not None
         for batch in dict.fromkeys((symbolic, False)):
-            graph = capture_layers(self.capture_backend, self._model_forward, inputs, parts,
+            graph = capture_layers(self.capture_backend, inputs, parts,
                                    ctx, compile_key(desc, ctx, batch), batch)
             if graph is not None:
                 if built_s:            # compiled on two rows just now: this graph's cost
@@ -211,7 +211,8 @@ class GraphManager:
                     graph.load_s = None
                 return graph
         raise RuntimeError(f"no per-layer compiled graph of {desc.num_tokens_padded} tokens "
-                           "reproduces eager; set GraphManager.per_layer = False")
+                           "reproduces eager; compilation_config={'per_layer_graphs': "
+                           "False} compiles the whole forward instead")
 
     def _symbolic_from_two_rows(self, desc: BatchExecutionDescriptor) -> float | None:
         """A one-row graph binds the symbolic per-layer artifacts (it replays as fast as a
