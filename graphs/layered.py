@@ -196,7 +196,6 @@ def _teacher(parts: DecoderParts, positions: torch.Tensor, ctx: ForwardContext,
     return teach
 
 
-
 @contextlib.contextmanager
 def _one_thread() -> Iterator[None]:
     """The capture-batch check on one torch thread: on a busy small machine two OpenMP
