@@ -88,7 +88,8 @@ class GraphBuilder:
         # graphs rather than delaying the first answers
         key = self.pending[0]
         if self.manager.is_ready(key):
-            return key
+            # NOTE: a serving step binds once inductor is prepared off this thread
+            return key if may_compile or self.manager.prepared() else None
         if self.prefetch is not None and not may_compile:
             status = self.prefetch.poll()
             if status is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -158,6 +159,36 @@ def _size_inputs(gm: fx.GraphModule) -> dict[int, tuple[int, int]]:
                 raise RuntimeError(f"traced forward input {i} is a size no tensor input has")
             sizes[i] = dims[value.node.expr]
     return sizes
+
+
+_inductor_prepared = threading.Event()
+_inductor_thread: list[threading.Thread] = []
+
+
+def prepare_inductor() -> threading.Event:
+    """Import inductor and do what it does once per process before it loads an artifact
+    (pick the CPU's vector ISA: a probe built per ISA in subprocesses; hash torch's own
+    source, the key every artifact carries), in a thread started at the first call: seconds
+    of Python that would otherwise stall the serving thread at its first bind (SmolLM2:
+    4.9 s). Set when done."""
+    if not _inductor_thread:
+        _inductor_thread.append(threading.Thread(target=_prepare_inductor, daemon=True,
+                                                 name="rung-prepare-inductor"))
+        _inductor_thread[0].start()
+    return _inductor_prepared
+
+
+def _prepare_inductor() -> None:
+    try:
+        import torch._inductor.compile_fx  # noqa: F401 - what loading an artifact imports
+        import torch._inductor.standalone_compile  # noqa: F401
+        from torch._inductor.codecache import torch_key
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        pick_vec_isa()
+        torch_key()
+    finally:
+        _inductor_prepared.set()       # NOTE: a failure shows at the bind, as without this
 
 
 def trace_forward(fn: Callable[..., torch.Tensor], inputs: Sequence,

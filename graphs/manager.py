@@ -20,7 +20,13 @@ from rung.core.forward_context import (
 from rung.core.graph_mode import CUDAGraphMode
 from rung.graphs.backends import make_capture_backend, resolve_graph_backend
 from rung.graphs.capture import CapturedGraph, CudaGraphBackend, Outputs
-from rung.graphs.compiled import MIN_DYNAMIC_SIZE, CompiledGraphBackend, compile_key, symbolic_dims
+from rung.graphs.compiled import (
+    MIN_DYNAMIC_SIZE,
+    CompiledGraphBackend,
+    compile_key,
+    prepare_inductor,
+    symbolic_dims,
+)
 from rung.graphs.compiler import compile_model
 from rung.graphs.dispatcher import Dispatcher, downgrade
 from rung.graphs.layered import build_layer_artifacts, capture_layers, layer_specs
@@ -147,6 +153,12 @@ class GraphManager:
         if key not in self._artifact_keys:
             self._artifact_keys[key] = self._artifact_keys_of(key)
         return all(map(self.capture_backend.has_artifact, self._artifact_keys[key]))
+
+    def prepared(self) -> bool:
+        """Whether a bind now imports nothing on this thread; compiled CPU graphs start
+        preparing inductor in a thread at the first ask (``prepare_inductor``)."""
+        return (not isinstance(self.capture_backend, CompiledGraphBackend)
+                or prepare_inductor().is_set())
 
     def _artifact_keys_of(self, desc: BatchExecutionDescriptor) -> tuple[str, ...]:
         """Keys of the artifacts the compiled graph of ``desc`` is built from."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -16,6 +15,7 @@ from tqdm import tqdm
 from rung.graphs.artifact_cache import default_cache_dir
 from rung.graphs.backends import resolve_graph_backend
 from rung.graphs.builder import GraphBuilder
+from rung.graphs.compiled import prepare_inductor
 from rung.graphs.ladder import capture_sizes
 from rung.graphs.manager import TARGET, CaptureRecord, GraphManager, artifact_cache
 from rung.models.loader import LoadedModel, load_model
@@ -33,9 +33,14 @@ logger = logging.getLogger(__name__)
 def load_target(config: EngineConfig) -> tuple[LoadedModel, int]:
     """The model to serve and its max_model_len (ValueError for a drafter or a length
     above the model's own)."""
-    if not config.enforce_eager and resolve_graph_backend(
-            config.compilation.graph_backend, torch.device(config.device)) == "compiled":
-        _import_inductor_meanwhile()
+    # NOTE: a blocking start binds graphs next: inductor is prepared while the model loads.
+    # A background start prepares it once an artifact is built (GraphBuilder): beside the
+    # load, its ~5 s of CPU (most of it holding the GIL) delayed SmolLM2's first answer to
+    # 1.17-1.50x enforce_eager's time, 1.02-1.11x without it (rung.bench.first_answer)
+    if config.compilation.graph_startup == "blocking" and not config.enforce_eager and \
+            resolve_graph_backend(config.compilation.graph_backend,
+                                  torch.device(config.device)) == "compiled":
+        prepare_inductor()
     loaded = load_model(config.model, config.dtype, str(config.device), config.load_format,
                         quantization=config.quantization, cache_dir=_cache_dir(config))
     if isinstance(loaded.model, DraftModel):
@@ -59,21 +64,6 @@ def _cache_dir(config: EngineConfig) -> Path | None:
     return Path(root) if root else default_cache_dir()
 
 
-def _import_inductor_meanwhile() -> None:
-    """Import inductor (which loads compiled graphs) in a thread while the model loads:
-    seconds of Python that would otherwise delay the first graph, or a step. The thread
-    also does what inductor does once per process before it loads an artifact: pick the
-    CPU's vector ISA (it builds and loads a probe per ISA in subprocesses: seconds spent
-    waiting, GIL released) and hash torch's own source (the key every artifact carries)."""
-    def run() -> None:
-        import torch._inductor.compile_fx  # noqa: F401 - what loading an artifact imports
-        import torch._inductor.standalone_compile  # noqa: F401
-        from torch._inductor.codecache import torch_key
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-        pick_vec_isa()
-        torch_key()
-    threading.Thread(target=run, name="rung-import-inductor", daemon=True).start()
 
 
 def make_proposer(config: EngineConfig, runner: ModelRunner) -> Proposer:
