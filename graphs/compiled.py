@@ -10,6 +10,7 @@ guard is evaluated and nothing is re-traced per step.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import threading
 import time
@@ -161,24 +162,20 @@ def _size_inputs(gm: fx.GraphModule) -> dict[int, tuple[int, int]]:
     return sizes
 
 
-_inductor_prepared = threading.Event()
-_inductor_thread: list[threading.Thread] = []
-
-
+@functools.lru_cache(maxsize=1)
 def prepare_inductor() -> threading.Event:
     """Import inductor and do what it does once per process before it loads an artifact
     (pick the CPU's vector ISA: a probe built per ISA in subprocesses; hash torch's own
     source, the key every artifact carries), in a thread started at the first call: seconds
     of Python that would otherwise stall the serving thread at its first bind (SmolLM2:
     4.9 s). Set when done."""
-    if not _inductor_thread:
-        _inductor_thread.append(threading.Thread(target=_prepare_inductor, daemon=True,
-                                                 name="rung-prepare-inductor"))
-        _inductor_thread[0].start()
-    return _inductor_prepared
+    done = threading.Event()
+    threading.Thread(target=_prepare_inductor, args=(done,), daemon=True,
+                     name="rung-prepare-inductor").start()
+    return done
 
 
-def _prepare_inductor() -> None:
+def _prepare_inductor(done: threading.Event) -> None:
     try:
         import torch._inductor.compile_fx  # noqa: F401 - what loading an artifact imports
         import torch._inductor.standalone_compile  # noqa: F401
@@ -188,7 +185,7 @@ def _prepare_inductor() -> None:
         pick_vec_isa()
         torch_key()
     finally:
-        _inductor_prepared.set()       # NOTE: a failure shows at the bind, as without this
+        done.set()       # NOTE: a failure shows at the bind, as without this
 
 
 def trace_forward(fn: Callable[..., torch.Tensor], inputs: Sequence,
