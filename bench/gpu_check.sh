@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU check, for a machine with NO package registry: versions first, rung
-# installed without touching torch/triton, then kernels, graph tests, capture and latency.
+# installed without touching torch/triton, then kernels, graph tests, capture, background
+# capture between steps (live-switch), host syncs and latency.
 # Every stage has a time limit (8 minutes in all); a failing stage is recorded and the
 # rest still run. A summary table ends the run; JSON and logs land in OUT_DIR.
 #   bash bench/gpu_check.sh OUT_DIR            (from the repository root, on a CUDA machine)
@@ -66,10 +67,11 @@ PLAN=(
   "versions|20|versions"
   "install|60|install"
   "kernels|90|$PYTEST tests/test_triton_kernels.py tests/test_flash_attn_backend.py"
-  "graph-tests|110|$PYTEST tests/test_graph_replay.py tests/test_graph_ladder.py tests/test_descriptor_contract.py tests/test_triton_engine.py tests/test_full_uniform_metadata.py tests/test_no_jit_after_warmup.py tests/test_capture_accounting.py"
+  "graph-tests|95|$PYTEST tests/test_graph_replay.py tests/test_graph_ladder.py tests/test_descriptor_contract.py tests/test_triton_engine.py tests/test_full_uniform_metadata.py tests/test_no_jit_after_warmup.py tests/test_capture_accounting.py"
   "capture|80|$RUNG warmup --model $MODEL --dtype bfloat16 --mode full_and_piecewise --attention-backend TRITON --max-num-seqs 32 --json $OUT_DIR/warmup.json"
+  "live-switch|40|env -u TRITON_INTERPRET $PYTHON -m rung.bench.live_switch --model $MODEL --dtype bfloat16 --num-reqs 8 --timeout 25 --json $OUT_DIR/live_switch.json"
   "host-syncs|20|env -u TRITON_INTERPRET $PYTHON -m rung.bench.host_syncs --device cuda --num-reqs 8 --max-tokens 12 --workloads sampled,ngram-sampled,mtp-sampled --json $OUT_DIR/host_syncs.json"
-  "latency|100|$RUNG bench latency --model $MODEL --dtype bfloat16 --attention-backend TRITON --batch-sizes 1,8,32 --modes none,piecewise,full --input-len 32 --output-len 32 --iters 3 --json $OUT_DIR/latency.json"
+  "latency|75|$RUNG bench latency --model $MODEL --dtype bfloat16 --attention-backend TRITON --batch-sizes 1,8,32 --modes none,piecewise,full --input-len 32 --output-len 32 --iters 3 --json $OUT_DIR/latency.json"
 )
 
 stage() {  # stage NAME SECONDS CMD: run CMD with a time limit, log it, record the result

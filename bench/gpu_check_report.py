@@ -133,6 +133,20 @@ def _latency_rows(latency: dict) -> list[str]:
     return rows
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
+
+
+def _switch_rows(switch: dict) -> list[str]:
+    rows = [f"step {s['ms']:9.1f} ms  went live: {', '.join(s['went_live'])}"
+            for s in switch["switch_steps"]]
+    rows.append("eager step p50 {}, graph step p50 {}, worst stall {}".format(
+        *(_ms(switch[k]) for k in ("eager_step_ms_p50", "graph_step_ms_p50", "worst_stall_ms"))))
+    rows.append(f"{len(switch['live'])} live, {len(switch['pending'])} pending; tokens "
+                f"{'match' if switch['tokens_match_eager'] else 'DIFFER from'} enforce_eager")
+    return rows
+
+
 def _load(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -149,16 +163,20 @@ def cmd_summary(out_dir: str) -> int:
         print(f"{s['stage']:<12} {s['verdict']:<12} {s['seconds']:>5} {s['limit_s']:>5}  "
               f"{s['pytest'] or ''}")
     print(f"total {sum(s['seconds'] for s in stages)} s")
-    versions, warmup, latency = (_load(out / n) for n in
-                                 ("versions.json", "warmup.json", "latency.json"))
+    versions, warmup, switch, latency = (
+        _load(out / n) for n in ("versions.json", "warmup.json", "live_switch.json",
+                                 "latency.json"))
     if versions and versions.get("flash_attn") is None:
         print("flash-attn: not installed, so its tests skip (reasons in kernels.log)")
     for title, data, rows in (("capture", warmup, _capture_rows),
+                              ("capture between steps (background start)", switch,
+                               _switch_rows),
                               ("latency (bf16)", latency, _latency_rows)):
         if data is not None:
             print(f"\n----- {title}")
             print("\n".join(rows(data)))
-    report = {"stages": stages, "versions": versions, "warmup": warmup, "latency": latency}
+    report = {"stages": stages, "versions": versions, "warmup": warmup,
+              "live_switch": switch, "latency": latency}
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     print(f"\nJSON: {out / 'gpu_check.json'}")
     return 0 if all(s["verdict"] in ("PASS", "SKIPPED") for s in stages) else 1

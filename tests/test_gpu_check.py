@@ -44,8 +44,8 @@ def test_dry_run_prints_plan_and_installs(dry_run):
     proc, _, _, out = dry_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "stage plan" in proc.stdout
-    for stage in ("versions", "install", "kernels", "graph-tests", "capture", "host-syncs",
-                  "latency"):
+    for stage in ("versions", "install", "kernels", "graph-tests", "capture", "live-switch",
+                  "host-syncs", "latency"):
         assert f"\n  {stage}" in proc.stdout, stage
     limits = sum(s["limit_s"] for s in json.loads((out / "gpu_check.json").read_text())["stages"])
     assert limits <= 8 * 60
@@ -55,7 +55,8 @@ def test_dry_run_prints_plan_and_installs(dry_run):
                 json.loads((out / "gpu_check.json").read_text())["stages"]}
     assert verdicts == {"versions": "PASS", "install": "PASS", "kernels": "SKIPPED",
                         "graph-tests": "SKIPPED", "capture": "SKIPPED",
-                        "host-syncs": "SKIPPED", "latency": "SKIPPED"}
+                        "live-switch": "SKIPPED", "host-syncs": "SKIPPED",
+                        "latency": "SKIPPED"}
 
 
 def _fresh_setuptools_builds_editables(python: Path) -> bool:

@@ -1,6 +1,7 @@
 """Graphs without the wait: LLM(...) serves eagerly from its first step while graphs go
 live one at a time between steps; tokens never change across the eager -> graph switch."""
 
+import json
 import time
 
 import pytest
@@ -87,3 +88,18 @@ def test_compiled_graphs_build_in_a_subprocess_while_eager_serves(tmp_path, monk
     assert len({r.artifact for r in records if r.num_reqs_padded >= 2}) == 1
     assert _tokens(llm) == want
     assert llm.engine.stats()["graph_replays"].get("FULL:4", 0) > 0
+
+
+def test_the_gpu_checks_live_switch_stage_decodes_through_every_switch(tmp_path, capsys):
+    """`python -m rung.bench.live_switch` (gpu_check's stage for captures between steps; on
+    CPU here, emulated graphs): every size goes live in a step of its own while requests
+    decode, and their tokens are an enforce_eager engine's."""
+    from rung.bench import live_switch
+
+    out = tmp_path / "live_switch.json"
+    assert live_switch.main(["--num-reqs", "4", "--max-tokens", "6", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["tokens_match_eager"] and got["pending"] == []
+    assert {"FULL:1", "FULL:2", "FULL:4"} <= set(got["live"])
+    assert sorted(s["went_live"] for s in got["switch_steps"]) == [[g] for g in sorted(got["live"])]
+    assert "tokens match enforce_eager" in capsys.readouterr().out
