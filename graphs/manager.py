@@ -154,10 +154,14 @@ class GraphManager:
             self._artifact_keys[key] = self._artifact_keys_of(key)
         return all(map(self.capture_backend.has_artifact, self._artifact_keys[key]))
 
-    def prepared(self) -> bool:
-        """Whether a bind now imports nothing on this thread; compiled CPU graphs start
-        preparing inductor in a thread at the first ask (``prepare_inductor``)."""
-        return (not isinstance(self.capture_backend, CompiledGraphBackend)
+    def prepared(self, key: BatchExecutionDescriptor) -> bool:
+        """Whether binding ``key``'s graph (``is_ready``) now imports nothing on this thread:
+        compiled CPU graphs whose artifacts load without inductor, or once inductor is
+        prepared in a thread, started at the first ask (``prepare_inductor``)."""
+        backend = self.capture_backend
+        if not isinstance(backend, CompiledGraphBackend) or key not in self._artifact_keys:
+            return True
+        return (all(map(backend.loads_without_inductor, self._artifact_keys[key]))
                 or prepare_inductor().is_set())
 
     def _artifact_keys_of(self, desc: BatchExecutionDescriptor) -> tuple[str, ...]:
