@@ -2,7 +2,7 @@
 
 One entry per graph: ``<root>/<key>/artifact.bin`` (inductor's saved artifact),
 ``meta.json`` (the names of its flat inputs, in order) and, for an artifact called past
-inductor's wrappers (``direct_call``), ``wrapper.so``: the C++ wrapper library it calls,
+inductor's wrappers (``direct_call``), ``wrapper-<hash>.so``: the C++ wrapper library it calls,
 which a later start loads without importing inductor (``load_wrapper``), on a machine
 with the same CPU flags and Python (``machine_signature``). The key hashes everything the
 compiled code depends on: torch version, rung's traced source (core, kernels, models,
@@ -134,11 +134,7 @@ class ArtifactCache:
 
     def has_wrapper(self, key: str) -> bool:
         """Whether the entry holds a wrapper library built on a machine like this one."""
-        try:
-            wrapper = json.loads((self.root / key / "meta.json").read_text()).get("wrapper")
-        except (OSError, ValueError):
-            return False
-        return bool(wrapper) and wrapper.get("machine") == machine_signature()
+        return self._wrapper_meta(key) is not None
 
     def load_wrapper(self, key: str, named: dict[str, torch.Tensor]
                      ) -> tuple[DirectCall, list[str]] | None:
@@ -146,23 +142,30 @@ class ArtifactCache:
         loaded without inductor, or None when the entry has no wrapper library built on a
         machine like this one (then ``load`` goes through inductor, which rebuilds what
         this CPU needs)."""
-        entry = self.root / key
-        try:
-            meta = json.loads((entry / "meta.json").read_text())
-        except (OSError, ValueError):
+        meta = self._wrapper_meta(key)
+        if meta is None:
             return None
-        wrapper = meta.get("wrapper")
-        if not wrapper or wrapper.get("machine") != machine_signature():
-            return None
-        names = meta["input_names"]
+        entry, names = self.root / key, meta["input_names"]
         try:
             bind_inputs(names, named)
-            return load_wrapper(str(entry / wrapper["file"]), f"rung_graph_{key}"), names
+            file = meta["wrapper"]["file"]
+            return load_wrapper(str(entry / file), f"rung_{Path(file).stem.replace('-', '_')}"
+                                ), names
         except Exception as e:  # noqa: BLE001 - the artifact itself may still load
             logger.warning("compiled graph cache entry %s: its wrapper library does not load "
                            "(%s: %s); loading the artifact through inductor", entry,
                            type(e).__name__, e)
             return None
+
+    def _wrapper_meta(self, key: str) -> dict | None:
+        """The entry's meta.json when it names a wrapper library built on a machine like
+        this one (``machine_signature``)."""
+        try:
+            meta = json.loads((self.root / key / "meta.json").read_text())
+        except (OSError, ValueError):
+            return None
+        wrapper = meta.get("wrapper")
+        return meta if wrapper and wrapper.get("machine") == machine_signature() else None
 
     def load(self, key: str, named: dict[str, torch.Tensor]) -> tuple[Any, list[str]] | None:
         """(artifact, the names of its flat inputs) or None when absent; a corrupt entry
@@ -194,8 +197,12 @@ class ArtifactCache:
             artifact.save(path=str(tmp / "artifact.bin"), format="binary")
             meta = {"input_names": names, "model": self.model_key}
             if wrapper is not None:
-                shutil.copyfile(wrapper, tmp / "wrapper.so")
-                meta["wrapper"] = {"file": "wrapper.so", "machine": machine_signature()}
+                # NOTE: named after its content: a process that loaded one library never
+                # gets it again for a rebuilt one (a loaded module and its path are cached)
+                library = Path(wrapper).read_bytes()
+                name = f"wrapper-{hashlib.sha256(library).hexdigest()[:16]}.so"
+                (tmp / name).write_bytes(library)
+                meta["wrapper"] = {"file": name, "machine": machine_signature()}
             (tmp / "meta.json").write_text(json.dumps(meta, default=str))
             self.discard(key)
             os.replace(tmp, self.root / key)
