@@ -137,7 +137,11 @@ class GraphStartup:
             blocking = data_parallel or graphs.capture_backend.name == "emulated"
             startup = "blocking" if blocking else "background"
         prefetch = None
-        if startup == "background" and getattr(graphs.capture_backend, "cache", None) is not None:
+        # NOTE: no subprocess when the disk cache holds every artifact already (a warm
+        # start): it would build a whole engine beside the serving one to compile nothing.
+        # The first size missing one ends the look (a cold start pays one key, ~30 ms).
+        if startup == "background" and getattr(graphs.capture_backend, "cache", None) is not None \
+                and not all(map(graphs.is_ready, graphs.dispatcher.capture_descriptors())):
             prefetch = start_prefetch(config, max_model_len)
         self.builder = GraphBuilder(graphs, after, progress, prefetch)
         # NOTE: a plain flag, read before every step: once all is live, a step pays one
