@@ -23,7 +23,7 @@ from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.forward_context import ForwardContext, get_forward_context
 from rung.graphs.artifact_cache import ArtifactCache, artifact_key, bind_inputs, input_names
 from rung.graphs.capture import CapturedGraph, EmulatedGraphBackend, memory_identity
-from rung.graphs.direct_call import DirectCall, SizeTensors, direct_call, wrapper_library
+from rung.graphs.direct_call import DirectCall, direct_call, wrapper_library
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +234,8 @@ class CompiledGraphBackend(EmulatedGraphBackend):
                  poison_hook: Callable[[], None] | None = None) -> None:
         super().__init__(poison_hook)
         self.cache = cache
-        self.artifacts: dict[str, tuple[Any, list[str]]] = {}   # key -> (artifact, input names)
+        # key -> (artifact, or None when loaded as its wrapper library alone; input names)
+        self.artifacts: dict[str, tuple[Any, list[str]]] = {}
         self.direct_calls: dict[str, DirectCall | None] = {}   # see direct_call
 
     def key(self, named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]],
@@ -296,9 +297,10 @@ class CompiledGraphBackend(EmulatedGraphBackend):
         if known is None and self.cache is not None:
             wrapped = self.cache.load_wrapper(key, named)
             if wrapped is not None:
-                direct, names = wrapped
-                self.direct_calls[key] = direct
-                known = (_WrapperArtifact(direct.call), names)
+                # NOTE: no inductor artifact in this process: the layer is called through
+                # its wrapper library alone (``direct_calls``), never as artifact(*args)
+                self.direct_calls[key], names = wrapped
+                known = (None, names)
             else:
                 known = self.cache.load(key, named)
         if known is not None:
@@ -372,19 +374,6 @@ class CompiledGraphBackend(EmulatedGraphBackend):
         graph.outputs = graph._run()     # outputs of the pad-only capture batch; sizes nbytes
         graph.nbytes = graph.outputs.numel() * graph.outputs.element_size()
         return graph
-
-
-class _WrapperArtifact:
-    """An artifact loaded as its wrapper library alone (``ArtifactCache.load_wrapper``),
-    called as inductor's wrappers call it: they were proven to hand arguments and outputs
-    through unchanged when it was compiled (``direct_call``)."""
-
-    def __init__(self, call: Callable[[list], list]) -> None:
-        self.call = call
-
-    def __call__(self, *args: Any) -> list:
-        sizes = SizeTensors()
-        return self.call([sizes[a] if isinstance(a, int) else a for a in args])
 
 
 def compile_key(desc: BatchExecutionDescriptor, ctx: ForwardContext, symbolic_batch: bool
