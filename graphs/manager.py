@@ -155,14 +155,16 @@ class GraphManager:
         return all(map(self.capture_backend.has_artifact, self._artifact_keys[key]))
 
     def prepared(self, key: BatchExecutionDescriptor) -> bool:
-        """Whether binding ``key``'s graph (``is_ready``) now imports nothing on this thread:
-        compiled CPU graphs whose artifacts load without inductor, or once inductor is
-        prepared in a thread, started at the first ask (``prepare_inductor``)."""
+        """Whether capturing ``key`` (``is_ready``) now imports nothing on this thread: a
+        FULL compiled CPU graph whose artifacts load without inductor, anything once
+        inductor is prepared in a thread, started at the first ask (``prepare_inductor``)."""
         backend = self.capture_backend
-        if not isinstance(backend, CompiledGraphBackend) or key not in self._artifact_keys:
+        if not isinstance(backend, CompiledGraphBackend):
             return True
-        return (all(map(backend.loads_without_inductor, self._artifact_keys[key]))
-                or prepare_inductor().is_set())
+        keys = self._artifact_keys.get(key)
+        if keys is not None and all(map(backend.loads_without_inductor, keys)):
+            return True
+        return prepare_inductor().is_set()
 
     def _artifact_keys_of(self, desc: BatchExecutionDescriptor) -> tuple[str, ...]:
         """Keys of the artifacts the compiled graph of ``desc`` is built from."""
