@@ -1,7 +1,10 @@
 """On-disk cache of compiled CPU graphs, so a second start loads instead of compiling.
 
-One entry per graph: ``<root>/<key>/artifact.bin`` (inductor's saved artifact) and
-``meta.json`` (the names of its flat inputs, in order). The key hashes everything the
+One entry per graph: ``<root>/<key>/artifact.bin`` (inductor's saved artifact),
+``meta.json`` (the names of its flat inputs, in order) and, for an artifact called past
+inductor's wrappers (``direct_call``), ``wrapper-<hash>.so``: the C++ wrapper library it calls,
+which a later start loads without importing inductor (``load_wrapper``), on a machine
+with the same CPU flags and Python (``machine_signature``). The key hashes everything the
 compiled code depends on: torch version, rung's traced source (core, kernels, models,
 graphs), the model config and dtype, inductor options, the graph's size, the shapes,
 strides and dtypes of every tensor it may read (weights, KV caches, input buffers), and
@@ -15,12 +18,15 @@ engines that differ only in max_num_seqs, max_model_len or KV cache size share e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import logging
 import os
+import platform
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -28,6 +34,7 @@ from typing import Any
 import torch
 
 from rung.graphs.capture import memory_identity
+from rung.graphs.direct_call import DirectCall, load_wrapper
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +62,20 @@ def source_hash() -> str:
             digest.update(path.name.encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def machine_signature() -> str:
+    """What a compiled wrapper library needs of the machine that loads it: the CPU's
+    instruction-set flags (inductor picks the vector ISA it compiles for from them, and
+    ``ATEN_CPU_CAPABILITY`` caps it), the architecture and the Python ABI."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    text = "|".join([platform.machine(), flags.strip(), sys.implementation.cache_tag or "",
+                     os.environ.get("ATEN_CPU_CAPABILITY", "")])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def tensor_signature(t: torch.Tensor, dynamic_dims: tuple[int, ...] = ()) -> list:
@@ -111,6 +132,41 @@ class ArtifactCache:
     def has(self, key: str) -> bool:
         return (self.root / key / "meta.json").exists()
 
+    def has_wrapper(self, key: str) -> bool:
+        """Whether the entry holds a wrapper library built on a machine like this one."""
+        return self._wrapper_meta(key) is not None
+
+    def load_wrapper(self, key: str, named: dict[str, torch.Tensor]
+                     ) -> tuple[DirectCall, list[str]] | None:
+        """(the entry's wrapper library, called directly; the names of its flat inputs),
+        loaded without inductor, or None when the entry has no wrapper library built on a
+        machine like this one (then ``load`` goes through inductor, which rebuilds what
+        this CPU needs)."""
+        meta = self._wrapper_meta(key)
+        if meta is None:
+            return None
+        entry, names = self.root / key, meta["input_names"]
+        try:
+            bind_inputs(names, named)
+            file = meta["wrapper"]["file"]
+            return load_wrapper(str(entry / file), f"rung_{Path(file).stem.replace('-', '_')}"
+                                ), names
+        except Exception as e:  # noqa: BLE001 - the artifact itself may still load
+            logger.warning("compiled graph cache entry %s: its wrapper library does not load "
+                           "(%s: %s); loading the artifact through inductor", entry,
+                           type(e).__name__, e)
+            return None
+
+    def _wrapper_meta(self, key: str) -> dict | None:
+        """The entry's meta.json when it names a wrapper library built on a machine like
+        this one (``machine_signature``)."""
+        try:
+            meta = json.loads((self.root / key / "meta.json").read_text())
+        except (OSError, ValueError):
+            return None
+        wrapper = meta.get("wrapper")
+        return meta if wrapper and wrapper.get("machine") == machine_signature() else None
+
     def load(self, key: str, named: dict[str, torch.Tensor]) -> tuple[Any, list[str]] | None:
         """(artifact, the names of its flat inputs) or None when absent; a corrupt entry
         is removed."""
@@ -130,14 +186,24 @@ class ArtifactCache:
             return None
         return artifact, names
 
-    def save(self, key: str, artifact: Any, names: list[str]) -> None:
-        """Write the entry atomically (a rename) with the names of its flat inputs."""
+    def save(self, key: str, artifact: Any, names: list[str], wrapper: str | None = None
+             ) -> None:
+        """Write the entry atomically (a rename) with the names of its flat inputs and,
+        when given, a copy of the wrapper library ``wrapper`` (``direct_call.wrapper_library``)
+        the artifact is called through."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=".tmp-"))
         try:
             artifact.save(path=str(tmp / "artifact.bin"), format="binary")
-            (tmp / "meta.json").write_text(json.dumps({"input_names": names,
-                                                       "model": self.model_key}, default=str))
+            meta = {"input_names": names, "model": self.model_key}
+            if wrapper is not None:
+                # NOTE: named after its content: a process that loaded one library never
+                # gets it again for a rebuilt one (a loaded module and its path are cached)
+                library = Path(wrapper).read_bytes()
+                name = f"wrapper-{hashlib.sha256(library).hexdigest()[:16]}.so"
+                (tmp / name).write_bytes(library)
+                meta["wrapper"] = {"file": name, "machine": machine_signature()}
+            (tmp / "meta.json").write_text(json.dumps(meta, default=str))
             self.discard(key)
             os.replace(tmp, self.root / key)
         except Exception as e:  # noqa: BLE001 - a cache that cannot be written is skipped

@@ -88,8 +88,9 @@ class GraphBuilder:
         # graphs rather than delaying the first answers
         key = self.pending[0]
         if self.manager.is_ready(key):
-            # NOTE: a serving step binds once inductor is prepared off this thread
-            return key if may_compile or self.manager.prepared() else None
+            # NOTE: a serving step binds once nothing of inductor is left to import on
+            # this thread (a cached wrapper library needs none)
+            return key if may_compile or self.manager.prepared(key) else None
         if self.prefetch is not None and not may_compile:
             status = self.prefetch.poll()
             if status is None:

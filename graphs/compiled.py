@@ -23,7 +23,7 @@ from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.forward_context import ForwardContext, get_forward_context
 from rung.graphs.artifact_cache import ArtifactCache, artifact_key, bind_inputs, input_names
 from rung.graphs.capture import CapturedGraph, EmulatedGraphBackend, memory_identity
-from rung.graphs.direct_call import DirectCall, direct_call
+from rung.graphs.direct_call import DirectCall, direct_call, wrapper_library
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +234,8 @@ class CompiledGraphBackend(EmulatedGraphBackend):
                  poison_hook: Callable[[], None] | None = None) -> None:
         super().__init__(poison_hook)
         self.cache = cache
-        self.artifacts: dict[str, tuple[Any, list[str]]] = {}   # key -> (artifact, input names)
+        # key -> (artifact, or None when loaded as its wrapper library alone; input names)
+        self.artifacts: dict[str, tuple[Any, list[str]]] = {}
         self.direct_calls: dict[str, DirectCall | None] = {}   # see direct_call
 
     def key(self, named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]],
@@ -289,10 +290,19 @@ class CompiledGraphBackend(EmulatedGraphBackend):
                        ) -> tuple[Any, list[str], float | None]:
         """(artifact, its input names, compile seconds or None when it was built earlier)
         of ``fn(*inputs)`` (one decoder layer), keyed ``key``: from this process, the disk
-        cache, or traced and compiled now."""
+        cache (its wrapper library alone when it has one: no inductor import), or traced
+        and compiled now, then probed for a direct call (``direct_call``) on ``named``'s
+        tensors (a capture batch: its KV write goes to pad slots) and saved."""
         known = self.artifacts.get(key)
         if known is None and self.cache is not None:
-            known = self.cache.load(key, named)
+            wrapped = self.cache.load_wrapper(key, named)
+            if wrapped is not None:
+                # NOTE: no inductor artifact in this process: the layer is called through
+                # its wrapper library alone (``direct_calls``), never as artifact(*args)
+                self.direct_calls[key], names = wrapped
+                known = (None, names)
+            else:
+                known = self.cache.load(key, named)
         if known is not None:
             self.artifacts[key] = known
             return *known, None
@@ -306,9 +316,16 @@ class CompiledGraphBackend(EmulatedGraphBackend):
         logger.info("compiled a decoder layer artifact of %d inputs in %.1f s", len(names),
                     compile_s)
         self.artifacts[key] = (artifact, names)
+        direct = self.direct_call(key, named)
         if self.cache is not None:
-            self.cache.save(key, artifact, names)
+            self.cache.save(key, artifact, names,
+                            wrapper_library(direct) if direct is not None else None)
         return artifact, names, compile_s
+
+    def loads_without_inductor(self, key: str) -> bool:
+        """Whether binding the artifact ``key`` imports nothing of inductor: built in this
+        process, or a disk cache entry whose wrapper library this machine can load."""
+        return key in self.artifacts or (self.cache is not None and self.cache.has_wrapper(key))
 
     def direct_call(self, key: str, named: dict[str, torch.Tensor]
                     ) -> DirectCall | None:

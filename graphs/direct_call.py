@@ -5,13 +5,21 @@ A per-layer replay calls one artifact per decoder layer (SmolLM2: 30 a step). Be
 ``CompiledFxGraph.__call__``, and the C++ wrapper's ``call`` turns every int into a 0-dim
 tensor: ~150 us of Python a call. ``direct_call`` finds ``call`` and proves, with one
 probe, that everything in between hands arguments and outputs through unchanged.
+
+Under the C++ wrapper, ``call`` is a few lines around one function of a Python extension
+module inductor compiled (``wrapper_library``). ``load_wrapper`` loads that library again
+in a later process and calls it the same way, without importing inductor: a warm start
+of SmolLM2 spent ~5 s of its ~10 s importing and preparing inductor to reach it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import inspect
+import os
+import sys
 from typing import Any, Callable
 
 import torch
@@ -76,6 +84,58 @@ def direct_call(artifact: Callable[..., Any], args: list) -> DirectCall | None:
     # us); handed one, it passes it through. The Python wrapper's computes with the ints.
     return DirectCall(inner, SizeTensors() if graph.fx_kwargs.get("cpp_wrapper")
                       else PlainSizes())
+
+
+# NOTE: the name of the entry point inductor's C++ wrapper library exports
+# (``CppWrapperCodeCache.entry_function``), and the variable its module init reads
+_WRAPPER_ENTRY = "inductor_entry_cpp"
+_TENSOR_DATA_PTR_ENV = "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"
+
+
+def wrapper_library(direct: DirectCall) -> str | None:
+    """The file of the C++ wrapper library whose entry point ``direct.call`` wraps, when
+    ``call`` is the generated ``g(args)`` around it (inductor's ``_wrap_func``); None for a
+    Python wrapper or anything else."""
+    for cell in getattr(direct.call, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):
+            entry = cell.cell_contents
+            module = getattr(entry, "__self__", None)
+            path = getattr(module, "__file__", None) or ""
+            if (getattr(entry, "__name__", None) == _WRAPPER_ENTRY and path.endswith(".so")
+                    and isinstance(direct.size_of, SizeTensors)):
+                return path
+    return None
+
+
+def load_wrapper(path: str, name: str) -> DirectCall:
+    """A ``DirectCall`` of the C++ wrapper library at ``path`` (``wrapper_library``),
+    loaded as the Python extension module ``<name>.inductor_entry_cpp`` (once a process):
+    the generated ``call``'s own steps, tensors to handles, the entry, handles to tensors.
+
+    NOTE: every argument must be a tensor (``SizeTensors`` hands sizes over as 0-dim
+    tensors); the generated ``call`` would convert ints, this one does not."""
+    module_name = f"{name}.{_WRAPPER_ENTRY}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        # NOTE: the library's init reads this address (of a torch function) from the
+        # environment, as when inductor loads it
+        os.environ[_TENSOR_DATA_PTR_ENV] = str(
+            torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr)
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load a compiled graph library from {path}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[module_name] = module
+    entry = getattr(module, _WRAPPER_ENTRY)
+    to_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
+    from_handles = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
+
+    def call(args: list) -> list:
+        handles = to_handles(args)
+        args.clear()          # NOTE: as the generated call: the entry owns the inputs now
+        return from_handles(entry(handles))
+    return DirectCall(call, SizeTensors())
 
 
 def _compiled_fx_graphs(fn: Any, depth: int = 0) -> list:

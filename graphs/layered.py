@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
@@ -134,7 +135,7 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
     from per-layer artifacts, each compiled once per kind or loaded from the disk cache.
 
     NOTE: every layer's artifact must reproduce the eager layer on the capture batch, both
-    fed the eager model's hidden states (``_teacher``). Loaded artifacts that do not are
+    fed the eager model's hidden states (``_Teacher``). Loaded artifacts that do not are
     dropped and compiled again (once); None when freshly compiled ones do not either (e.g.
     a size the symbolic trace specialised).
     """
@@ -145,9 +146,9 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
         graph, loaded = _bind_layers(backend, inputs, parts, ctx, specs)
         try:
             mismatches: list[str] = []
-            with _one_thread():
-                graph.outputs = graph._run(_teacher(parts, inputs[1], _eager_context(ctx),
-                                                    mismatches))
+            with _one_thread(), _Teacher(parts, inputs[0], inputs[1], _eager_context(ctx),
+                                         mismatches) as teacher:
+                graph.outputs = graph._run(teacher)
             ok = not mismatches
             why = f"disagrees with eager ({'; '.join(mismatches[:3])})"
         except Exception as e:  # noqa: BLE001 - e.g. a dim the trace specialised after all
@@ -167,8 +168,7 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
     return None
 
 
-def _teacher(parts: DecoderParts, positions: torch.Tensor, ctx: ForwardContext,
-             mismatches: list[str]) -> Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]:
+class _Teacher:
     """The capture check of each layer's artifact against the eager layer, both fed the
     eager model's hidden states (``LayeredGraph._run``'s teacher); what disagrees goes into
     ``mismatches``.
@@ -179,21 +179,82 @@ def _teacher(parts: DecoderParts, positions: torch.Tensor, ctx: ForwardContext,
     Q4_1: 0.27 of 28.8 after 30 layers) that say nothing about the artifact. Fed the same
     input, each layer holds rtol 1e-3, atol 1e-4 (SmolLM2, sizes 1-16: the worst element
     used 0.71 of it in Q4_1, 0.40 in fp32).
-    """
-    ropes: dict[str, tuple] = {}
 
-    def teach(n: int, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        layer = parts.layers[n]
-        if layer.layer_type not in ropes:
-            rotary = parts.rotaries[layer.layer_type]
-            ropes[layer.layer_type] = (rotary, *rotary.cos_sin(positions, hidden.dtype))
-        with forward_context(ctx):
-            expected = layer(ropes[layer.layer_type], hidden)
+    NOTE: the eager layers run in a thread, one layer ahead of the artifacts: both release
+    the GIL in their kernels, so on two cores a check costs about the longer of the two
+    forwards, not their sum. Eager layer m never runs beside artifact m (``teach(m - 1)``
+    returns once eager layer m is done), nor beside artifact m - 1 when the two layers share
+    a KV cache (each writes the capture batch's pad slot, values that differ in the last
+    bits). The thread alone enters the eager forward context; artifacts read none.
+    """
+
+    def __init__(self, parts: DecoderParts, ids: torch.Tensor, positions: torch.Tensor,
+                 ctx: ForwardContext, mismatches: list[str]) -> None:
+        self.parts, self.ids, self.positions, self.ctx = parts, ids, positions, ctx
+        self.mismatches = mismatches
+        num_layers = len(parts.layers)
+        self._expected: list[torch.Tensor | None] = [None] * num_layers
+        self._eager_done = [threading.Event() for _ in range(num_layers)]
+        self._artifact_done = [threading.Event() for _ in range(num_layers)]
+        kv = [{memory_identity(m.kv_cache) for m in layer.modules()
+               if isinstance(m, Attention) and m.kv_cache is not None} for layer in parts.layers]
+        self._shares_kv = [m > 0 and bool(kv[m] & kv[m - 1]) for m in range(num_layers)]
+        self._modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._stopped = False
+
+    def __enter__(self) -> "_Teacher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stopped = True
+        for event in self._artifact_done:
+            event.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def __call__(self, n: int, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Artifact ``n`` returned ``out``: the eager layer's output, once eager layer
+        ``n + 1`` is done too (artifact ``n + 1`` runs next)."""
+        if self._thread is None:      # NOTE: started once artifact 0 is done (see above)
+            self._thread = threading.Thread(target=self._run_eager, daemon=True,
+                                            name="rung-capture-check")
+            self._thread.start()
+        self._artifact_done[n].set()
+        self._eager_done[min(n + 1, len(self._expected) - 1)].wait()
+        if self._error is not None:
+            raise self._error
+        expected = self._expected[n]
         if not torch.allclose(out, expected, rtol=1e-3, atol=1e-4):
             err = float((out - expected).abs().max())
-            mismatches.append(f"layer {n}: max |difference| {err:.3g}")
+            self.mismatches.append(f"layer {n}: max |difference| {err:.3g}")
         return expected
-    return teach
+
+    def _run_eager(self) -> None:
+        parts = self.parts
+        inference, grad = self._modes     # NOTE: both are per thread in torch
+        try:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad), \
+                    forward_context(self.ctx):
+                hidden = parts.embed(self.ids)                           # [T, H]
+                ropes: dict[str, tuple] = {}
+                for m, layer in enumerate(parts.layers):
+                    if self._shares_kv[m]:
+                        self._artifact_done[m - 1].wait()
+                    if self._stopped:
+                        return
+                    if layer.layer_type not in ropes:
+                        rotary = parts.rotaries[layer.layer_type]
+                        ropes[layer.layer_type] = (rotary, *rotary.cos_sin(self.positions,
+                                                                            hidden.dtype))
+                    hidden = self._expected[m] = layer(ropes[layer.layer_type], hidden)
+                    self._eager_done[m].set()
+        except BaseException as e:  # noqa: BLE001 - raised on the checking thread
+            self._error = e
+        finally:
+            for event in self._eager_done:
+                event.set()
 
 
 @contextlib.contextmanager

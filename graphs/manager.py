@@ -154,11 +154,17 @@ class GraphManager:
             self._artifact_keys[key] = self._artifact_keys_of(key)
         return all(map(self.capture_backend.has_artifact, self._artifact_keys[key]))
 
-    def prepared(self) -> bool:
-        """Whether a bind now imports nothing on this thread; compiled CPU graphs start
-        preparing inductor in a thread at the first ask (``prepare_inductor``)."""
-        return (not isinstance(self.capture_backend, CompiledGraphBackend)
-                or prepare_inductor().is_set())
+    def prepared(self, key: BatchExecutionDescriptor) -> bool:
+        """Whether capturing ``key`` (``is_ready``) now imports nothing on this thread: a
+        FULL compiled CPU graph whose artifacts load without inductor, anything once
+        inductor is prepared in a thread, started at the first ask (``prepare_inductor``)."""
+        backend = self.capture_backend
+        if not isinstance(backend, CompiledGraphBackend):
+            return True
+        keys = self._artifact_keys.get(key)
+        if keys is not None and all(map(backend.loads_without_inductor, keys)):
+            return True
+        return prepare_inductor().is_set()
 
     def _artifact_keys_of(self, desc: BatchExecutionDescriptor) -> tuple[str, ...]:
         """Keys of the artifacts the compiled graph of ``desc`` is built from."""

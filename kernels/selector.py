@@ -51,10 +51,14 @@ def select_backend(name: str, device: torch.device,
     """`auto`: CUDA + flash-attn -> FLASH_ATTN, CUDA -> TRITON, CPU -> TORCH, skipping a
     backend that ``accepts`` rejects (ValueError) for this model and config, e.g. a page
     size flash-attn cannot take."""
-    backends = _known()
     key = name.upper()
+    auto_order = ["FLASH_ATTN", "TRITON", "TORCH"] if device.type == "cuda" else ["TORCH"]
+    # NOTE: the optional backends are imported only when one may be picked: importing
+    # Triton costs ~1 s of a CPU engine's start-up, which never uses it
+    torch_only = key == "TORCH" or (key == "AUTO" and auto_order == ["TORCH"])
+    backends = _BACKENDS if torch_only else _known()
     if key == "AUTO":
-        order = ["FLASH_ATTN", "TRITON", "TORCH"] if device.type == "cuda" else ["TORCH"]
+        order = auto_order
         for candidate in order:
             why_not = _why_not(backends.get(candidate), device, accepts)
             if why_not is None:

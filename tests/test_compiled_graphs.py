@@ -4,6 +4,10 @@ Each size is an inductor compile (tens of seconds on a small CPU): the default s
 compiles one size of tiny-llama; the other models are slow tests.
 """
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 import rung.graphs.compiled as compiled_graphs
@@ -70,6 +74,46 @@ def test_cpp_wrapper_layers_called_directly_match_eager(monkeypatch):
     compiled = _compiled_matches_eager("tiny-llama", [1, 2], num_prompts=2)
     [direct] = compiled.engine.runner.graphs.capture_backend.direct_calls.values()
     assert isinstance(direct.size_of, SizeTensors)
+
+
+_WARM_START = """
+import json, sys
+from rung.runtime import LLM, SamplingParams
+llm = LLM("tiny-llama", compilation_config={"cudagraph_mode": "full_decode_only",
+          "cudagraph_capture_sizes": [1, 2], "graph_backend": "compiled",
+          "cache_dir": sys.argv[1], "graph_startup": "blocking"},
+          max_num_seqs=4, max_model_len=64, num_gpu_blocks_override=24)
+params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])], params)
+print(json.dumps({"records": [[r.compile_s, r.load_s] for r in llm.engine.runner.graphs.records],
+                  "replays": llm.engine.stats()["graph_replays"],
+                  "tokens": [o.outputs[0].token_ids for o in outs],
+                  "inductor": sorted(m for m in sys.modules if m.startswith(("torch._inductor",
+                                                                              "torch._dynamo")))}))
+"""
+
+
+@pytest.mark.slow
+def test_a_warm_start_loads_the_cpp_wrapper_without_inductor(tmp_path, monkeypatch):
+    """The production wrapper (C++): a second start, in a new process, compiles nothing,
+    binds both sizes to the cached wrapper library without importing inductor (seconds of
+    a warm start), and replays eager's tokens."""
+    monkeypatch.setattr(compiled_graphs, "INDUCTOR_OPTIONS",
+                        {"config_patches": {"cpp_wrapper": True}})
+    first = _compiled("tiny-llama", [1, 2], str(tmp_path))
+    assert [r.compile_s is not None for r in first.engine.runner.graphs.records] == [True, False]
+    assert len(list(tmp_path.glob("compiled/*/wrapper-*.so"))) == 1
+    want = _tokens(LLM("tiny-llama", enforce_eager=True, **KWARGS), 2)
+    proc = subprocess.run([sys.executable, "-c", _WARM_START, str(tmp_path),
+                           json.dumps(PROMPTS[:2])], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warm = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [compile_s for compile_s, _ in warm["records"]] == [None, None]
+    assert all(load_s is not None for _, load_s in warm["records"])
+    assert warm["inductor"] == []
+    assert warm["tokens"] == want
+    assert warm["replays"] and set(warm["replays"]) <= {"FULL:1", "FULL:2"}, warm["replays"]
 
 
 @pytest.mark.slow

@@ -88,6 +88,14 @@ def test_compiled_graphs_build_in_a_subprocess_while_eager_serves(tmp_path, monk
     assert len({r.artifact for r in records if r.num_reqs_padded >= 2}) == 1
     assert _tokens(llm) == want
     assert llm.engine.stats()["graph_replays"].get("FULL:4", 0) > 0
+    # a warm start spawns no compile beside the serving engine, and binds every size
+    again = LLM("tiny-llama", compilation_config={"cudagraph_mode": "full_decode_only",
+                                                  "cudagraph_capture_sizes": [1, 2, 4],
+                                                  "cache_dir": str(tmp_path)}, **KWARGS)
+    assert again.engine.graph_builder.prefetch is None
+    assert again.wait_for_graphs(timeout=300)
+    assert all(r.compile_s is None for r in again.engine.runner.graphs.records)
+    assert _tokens(again) == want
 
 
 def test_the_gpu_checks_live_switch_stage_decodes_through_every_switch(tmp_path, capsys):

@@ -9,13 +9,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import torch
 from tqdm import tqdm
 
 from rung.graphs.artifact_cache import default_cache_dir
 from rung.graphs.backends import resolve_graph_backend
 from rung.graphs.builder import GraphBuilder
-from rung.graphs.compiled import prepare_inductor
 from rung.graphs.ladder import capture_sizes
 from rung.graphs.manager import TARGET, CaptureRecord, GraphManager, artifact_cache
 from rung.models.loader import LoadedModel, load_model
@@ -33,14 +31,8 @@ logger = logging.getLogger(__name__)
 def load_target(config: EngineConfig) -> tuple[LoadedModel, int]:
     """The model to serve and its max_model_len (ValueError for a drafter or a length
     above the model's own)."""
-    # NOTE: a blocking start binds graphs next: inductor is prepared while the model loads.
-    # A background start prepares it once an artifact is built (GraphBuilder): beside the
-    # load, its ~5 s of CPU (most of it holding the GIL) delayed SmolLM2's first answer to
-    # 1.17-1.50x enforce_eager's time, 1.02-1.11x without it (rung.bench.first_answer)
-    if config.compilation.graph_startup == "blocking" and not config.enforce_eager and \
-            resolve_graph_backend(config.compilation.graph_backend,
-                                  torch.device(config.device)) == "compiled":
-        prepare_inductor()
+    # NOTE: inductor is not prepared here: a warm start loads every artifact as its
+    # wrapper library, without inductor (an artifact to compile imports it when it does).
     loaded = load_model(config.model, config.dtype, str(config.device), config.load_format,
                         quantization=config.quantization, cache_dir=_cache_dir(config))
     if isinstance(loaded.model, DraftModel):
@@ -145,7 +137,11 @@ class GraphStartup:
             blocking = data_parallel or graphs.capture_backend.name == "emulated"
             startup = "blocking" if blocking else "background"
         prefetch = None
-        if startup == "background" and getattr(graphs.capture_backend, "cache", None) is not None:
+        # NOTE: no subprocess when the disk cache holds every artifact already (a warm
+        # start): it would build a whole engine beside the serving one to compile nothing.
+        # The first size missing one ends the look (a cold start pays one key, ~30 ms).
+        if startup == "background" and getattr(graphs.capture_backend, "cache", None) is not None \
+                and not all(map(graphs.is_ready, graphs.dispatcher.capture_descriptors())):
             prefetch = start_prefetch(config, max_model_len)
         self.builder = GraphBuilder(graphs, after, progress, prefetch)
         # NOTE: a plain flag, read before every step: once all is live, a step pays one
