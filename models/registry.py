@@ -32,6 +32,18 @@ class DraftModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def greedy_drafts(self, input_ids: torch.Tensor, target_hidden: torch.Tensor,
+                      positions: torch.Tensor, num_drafts: int) -> torch.Tensor:
+        """``num_drafts`` greedy rounds at the constant ``positions``, each round's argmax
+        the next round's token -> drafts [R, num_drafts] int64. What a drafter's graph
+        captures (CUDA) or compiles (CPU: this source is in the artifact key)."""
+        drafts = []
+        for _ in range(num_drafts):
+            last_hidden, target_hidden = self(input_ids, target_hidden, positions)
+            input_ids = self.compute_logits(last_hidden).argmax(dim=-1)       # [R]
+            drafts.append(input_ids)
+        return torch.stack(drafts, dim=1)
+
 
 def model_class(cfg: dict) -> type[nn.Module]:
     model_type = cfg.get("model_type")

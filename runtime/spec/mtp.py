@@ -200,15 +200,25 @@ class MtpProposer(Proposer):
         # NOTE: captured under the very descriptors dispatch() returns for a draft step
         # (FULL, one query per request, uniform_query_len 1), so replay finds its graph by
         # the drafter's own descriptor, whatever the target's decode query length.
-        self.captured = self.dispatcher.capture_descriptors()
+        # NOTE: sizes of two rows or more first: under compiled CPU graphs they build the
+        # one artifact (symbolic batch) that a one-row graph then binds
+        self.captured = sorted(self.dispatcher.capture_descriptors(),
+                               key=lambda d: (d.num_reqs_padded < 2, d.num_reqs_padded))
         with torch.inference_mode():
             for desc in self.captured:
                 self.batch.fill([], self._target_block_tables(), desc)
                 with forward_context(self._context(desc)):
                     graphs.capture_graph(_DRAFT, desc, self._draft_rounds,
                                          self.batch.graph_inputs(desc), self._poison_pads,
-                                         progress)
+                                         progress, self.drafter, self._graph_key())
                 self.dispatcher.go_live(desc)
+
+    def _graph_key(self) -> dict:
+        """What a compiled draft graph's code depends on besides its tensors' shapes and
+        the drafter's source: the drafter's class and config, and the round count."""
+        return {"drafter": type(self.drafter).__qualname__,
+                "drafter_config": getattr(self.drafter, "config", None),
+                "num_drafts": self.num_spec_tokens}
 
     def _poison_pads(self, desc: BatchExecutionDescriptor, generator: torch.Generator) -> None:
         self.batch.poison_pads(desc, generator, self.runner.vocab_size,
@@ -273,10 +283,8 @@ class MtpProposer(Proposer):
 
     def _draft_rounds(self, input_ids: torch.Tensor, hidden: torch.Tensor,
                       positions: torch.Tensor, *metadata: torch.Tensor) -> torch.Tensor:
-        """k greedy rounds at a constant position -> drafts [num_reqs_padded, k]."""
-        drafts = []
-        for _ in range(self.num_spec_tokens):
-            last_hidden, hidden = self.drafter(input_ids, hidden, positions)
-            input_ids = self.drafter.compute_logits(last_hidden).argmax(dim=-1)
-            drafts.append(input_ids)
-        return torch.stack(drafts, dim=1)
+        """k greedy rounds at a constant position -> drafts [num_reqs_padded, k].
+
+        NOTE: the rounds are the drafter's own (models/, whose source keys a compiled
+        artifact); what this adds, k, is in the key too (``_graph_key``)."""
+        return self.drafter.greedy_drafts(input_ids, hidden, positions, self.num_spec_tokens)
