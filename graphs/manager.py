@@ -28,7 +28,7 @@ from rung.graphs.compiled import (
     prepare_inductor,
     symbolic_dims,
 )
-from rung.graphs.compiled_draft import capture_compiled_draft
+from rung.graphs.compiled_draft import DraftRounds, capture_compiled_draft
 from rung.graphs.compiler import compile_model
 from rung.graphs.dispatcher import Dispatcher, downgrade
 from rung.graphs.layered import build_layer_artifacts, capture_layers, layer_specs
@@ -287,26 +287,23 @@ class GraphManager:
                       fn: Callable[..., Outputs], inputs: Sequence[torch.Tensor],
                       poison: PadPoisoner,
                       progress: Callable[[CaptureRecord], None] | None = None,
-                      module: nn.Module | None = None,
-                      graph_key: dict[str, Any] | None = None) -> CaptureRecord:
+                      rounds: DraftRounds | None = None) -> CaptureRecord:
         """Capture ``fn(*inputs)`` as the FULL graph ``name`` of ``desc``'s size (a drafter's
         rounds), in the target's capture backend and memory pool; the caller has entered the
         forward context. ``poison`` garbles the pad rows of the batch ``inputs`` view.
 
-        Compiled CPU graphs compile ``fn`` into an artifact (``graphs.compiled_draft``):
-        ``module`` (the drafter) names what it reads besides the target's tensors, and
-        ``graph_key`` says what else its code depends on (e.g. the round count). Without
-        ``module`` such a graph is emulated (a replay re-runs ``fn``)."""
+        Compiled CPU graphs build it from ``rounds``' artifact of one round, called once per
+        round (``graphs.compiled_draft``); without ``rounds`` it is emulated there (a replay
+        re-runs ``fn``)."""
         start = time.perf_counter()
         self._poisoners[name] = poison
         compile_s = load_s = artifact = None
         with torch.inference_mode():
-            if isinstance(self.capture_backend, CompiledGraphBackend) and module is not None:
+            if isinstance(self.capture_backend, CompiledGraphBackend) and rounds is not None:
                 symbolic = self.symbolic_batch and self.runner.max_num_reqs >= MIN_DYNAMIC_SIZE
                 graph = capture_compiled_draft(
                     self.capture_backend, desc, fn, inputs, get_forward_context(),
-                    self._named_tensors([]), {f"{name}.": module},
-                    {"graph": name, **(graph_key or {})}, symbolic)
+                    self._named_tensors([]), rounds, f"{name}.", symbolic)
                 compile_s, load_s, artifact = graph.compile_s, graph.load_s, graph.artifact_key
             else:
                 graph = self.capture_backend.capture(fn, inputs)

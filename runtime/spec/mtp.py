@@ -24,6 +24,7 @@ from rung.core.attention_metadata import PAD_SLOT_ID
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.forward_context import ForwardContext, forward_context
 from rung.core.graph_mode import CUDAGraphMode, GraphSupport
+from rung.graphs.compiled_draft import DraftRounds
 from rung.graphs.dispatcher import Dispatcher
 from rung.graphs.ladder import draft_capture_sizes
 from rung.graphs.manager import CaptureRecord, GraphManager
@@ -202,6 +203,11 @@ class MtpProposer(Proposer):
         # the drafter's own descriptor, whatever the target's decode query length.
         # NOTE: sizes of two rows or more first: under compiled CPU graphs they build the
         # one artifact (symbolic batch) that a one-row graph then binds
+        # compiled CPU graphs: one round's artifact (what its code depends on besides the
+        # tensors' shapes and models/' source: the drafter's class and config)
+        rounds = DraftRounds(self._draft_round, self.num_spec_tokens, self.drafter,
+                             {"drafter": type(self.drafter).__qualname__,
+                              "drafter_config": self.drafter.config})
         self.captured = sorted(self.dispatcher.capture_descriptors(),
                                key=lambda d: (d.num_reqs_padded < 2, d.num_reqs_padded))
         with torch.inference_mode():
@@ -210,15 +216,8 @@ class MtpProposer(Proposer):
                 with forward_context(self._context(desc)):
                     graphs.capture_graph(_DRAFT, desc, self._draft_rounds,
                                          self.batch.graph_inputs(desc), self._poison_pads,
-                                         progress, self.drafter, self._graph_key())
+                                         progress, rounds)
                 self.dispatcher.go_live(desc)
-
-    def _graph_key(self) -> dict:
-        """What a compiled draft graph's code depends on besides its tensors' shapes and
-        the drafter's source: the drafter's class and config, and the round count."""
-        return {"drafter": type(self.drafter).__qualname__,
-                "drafter_config": getattr(self.drafter, "config", None),
-                "num_drafts": self.num_spec_tokens}
 
     def _poison_pads(self, desc: BatchExecutionDescriptor, generator: torch.Generator) -> None:
         self.batch.poison_pads(desc, generator, self.runner.vocab_size,
@@ -285,6 +284,13 @@ class MtpProposer(Proposer):
                       positions: torch.Tensor, *metadata: torch.Tensor) -> torch.Tensor:
         """k greedy rounds at a constant position -> drafts [num_reqs_padded, k].
 
-        NOTE: the rounds are the drafter's own (models/, whose source keys a compiled
-        artifact); what this adds, k, is in the key too (``_graph_key``)."""
+        NOTE: the rounds are the drafter's own: models/, whose source keys a compiled
+        artifact (``_draft_round``)."""
         return self.drafter.greedy_drafts(input_ids, hidden, positions, self.num_spec_tokens)
+
+    def _draft_round(self, input_ids: torch.Tensor, hidden: torch.Tensor,
+                     positions: torch.Tensor, *metadata: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One greedy round -> (tokens [num_reqs_padded], hidden [num_reqs_padded, B]): what
+        a compiled CPU draft graph compiles and calls k times."""
+        return self.drafter.greedy_round(input_ids, hidden, positions)
