@@ -198,16 +198,16 @@ class MtpProposer(Proposer):
                                     short=self.runner.device.type == "cpu")
         self.dispatcher = Dispatcher(CUDAGraphMode.FULL_DECODE_ONLY, sizes,
                                      self.runner.max_num_reqs)
-        # NOTE: captured under the very descriptors dispatch() returns for a draft step
-        # (FULL, one query per request, uniform_query_len 1), so replay finds its graph by
-        # the drafter's own descriptor, whatever the target's decode query length.
-        # NOTE: sizes of two rows or more first: under compiled CPU graphs they build the
-        # one artifact (symbolic batch) that a one-row graph then binds
         # compiled CPU graphs: one round's artifact (what its code depends on besides the
         # tensors' shapes and models/' source: the drafter's class and config)
         rounds = DraftRounds(self._draft_round, self.num_spec_tokens, self.drafter,
                              {"drafter": type(self.drafter).__qualname__,
                               "drafter_config": self.drafter.config})
+        # NOTE: captured under the very descriptors dispatch() returns for a draft step
+        # (FULL, one query per request, uniform_query_len 1), so replay finds its graph by
+        # the drafter's own descriptor, whatever the target's decode query length. Sizes
+        # of two rows or more first: under compiled CPU graphs they build the one artifact
+        # (symbolic batch) that a one-row graph then binds.
         self.captured = sorted(self.dispatcher.capture_descriptors(),
                                key=lambda d: (d.num_reqs_padded < 2, d.num_reqs_padded))
         with torch.inference_mode():
@@ -218,6 +218,18 @@ class MtpProposer(Proposer):
                                          self.batch.graph_inputs(desc), self._poison_pads,
                                          progress, rounds)
                 self.dispatcher.go_live(desc)
+
+    def graph_status(self) -> dict:
+        """The drafter's graphs (engine.stats()["graphs"]["draft"]): live sizes (request
+        rows), how they replay ("compiled": one round's inductor artifact per round;
+        "emulated": the eager rounds again; "cuda"), their artifacts, and draft steps run
+        per "MODE:rows" (NONE: eagerly)."""
+        graphs = self.graphs
+        records = [r for r in graphs.records if r.graph == _DRAFT] if graphs else []
+        return {"live": sorted(d.num_reqs_padded for d in self.dispatcher.live),
+                "replay": graphs.capture_backend.name if graphs else None,
+                "artifacts": sorted({r.artifact for r in records if r.artifact}),
+                "steps": dict(self.graph_replays)}
 
     def _poison_pads(self, desc: BatchExecutionDescriptor, generator: torch.Generator) -> None:
         self.batch.poison_pads(desc, generator, self.runner.vocab_size,
