@@ -179,3 +179,9 @@ def test_mtp_drafter_graphs_are_compiled_rounds_with_eager_tokens(tmp_path):
     assert draft_stats["replay"] == "compiled" and draft_stats["live"] == [1, 2]
     assert set(draft_stats["steps"]) == {"FULL:1", "FULL:2"}, draft_stats
     assert eager_calls == []                 # every draft step replayed the artifact
+    warm = LLM("tiny-gemma4", compilation_config=compiled, **engine)    # loads from disk
+    assert all(r.compile_s is None and r.load_s is not None
+               for r in warm.engine.runner.graphs.records)
+    got = warm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert warm.engine.stats()["spec"] == eager.engine.stats()["spec"]
