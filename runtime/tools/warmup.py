@@ -47,7 +47,7 @@ def _table(records: list[dict], draft_records: list[dict], sizes: list[int],
         reqs = "-" if r["mode"] == CUDAGraphMode.PIECEWISE.name else str(r["num_reqs_padded"])
         rows.append(_row(r["mode"], str(size), reqs, serves.get(size, "?"), r))
     draft_serves = served_ranges(draft_sizes)
-    for r in draft_records:
+    for r in sorted(draft_records, key=lambda r: -r["num_reqs_padded"]):
         size = r["num_reqs_padded"]
         rows.append(_row(r["mode"], str(size), str(size),
                          draft_serves.get(size, "?") + " reqs", r))
