@@ -125,10 +125,10 @@ def main() -> None:
     same = (all(tokens[(name, n)] == tokens[("emulated", n)] for name, n in tokens)
             and len({json.dumps(llm.engine.stats()["spec"]) for llm in variants.values()}) == 1)
     report: dict[str, Any] = {"model": args.model, "drafter": args.drafter, "k": k,
-                              "tokens_and_acceptance_identical": same, "draft_compile_s": compile_s,
-                              "median_ms": {}}
-    print(f"{args.model} + {args.drafter}, k={k}, one torch thread; tokens identical "
-          f"across variants: {same}; draft artifact compile s: "
+                              "tokens_and_acceptance_identical": same,
+                              "draft_compile_s": compile_s, "median_ms": {}}
+    print(f"{args.model} + {args.drafter}, k={k}, one torch thread; tokens and "
+          f"acceptance identical across variants: {same}; draft artifact compile s: "
           + ", ".join(f"{n} {s:.1f}" for n, s in compile_s.items()))
     for rows in sorted(times["emulated"]):
         med = {name: (statistics.median(w for w, _ in t[rows]),
