@@ -177,6 +177,7 @@ def test_mtp_drafter_graphs_are_compiled_rounds_with_eager_tokens(tmp_path):
     assert stats["spec"] == eager.engine.stats()["spec"]        # the same drafts accepted
     draft_stats = stats["graphs"]["draft"]
     assert draft_stats["replay"] == "compiled" and draft_stats["live"] == [1, 2]
+    assert draft_stats["pending"] == [] and draft_stats["artifacts"] == [draft[1].artifact]
     assert set(draft_stats["steps"]) == {"FULL:1", "FULL:2"}, draft_stats
     assert eager_calls == []                 # every draft step replayed the artifact
     warm = LLM("tiny-gemma4", compilation_config=compiled, **engine)    # loads from disk

@@ -187,15 +187,10 @@ class MtpProposer(Proposer):
                     progress: Callable[[CaptureRecord], None] | None = None) -> None:
         """FULL_DECODE_ONLY draft graphs on the draft ladder, through the target's graph
         manager (its capture backend and memory pool; `rung warmup` lists them)."""
-        if graphs.mode == CUDAGraphMode.NONE:
-            return
-        if self.runner.backend.graph_support < GraphSupport.UNIFORM_BATCH:
+        sizes = self._capture_sizes(graphs)
+        if not sizes:
             return
         self.graphs = graphs
-        comp = self.config.compilation
-        sizes = draft_capture_sizes(comp.cudagraph_capture_sizes, self.runner.max_num_reqs,
-                                    comp.max_cudagraph_capture_size,
-                                    short=self.runner.device.type == "cpu")
         self.dispatcher = Dispatcher(CUDAGraphMode.FULL_DECODE_ONLY, sizes,
                                      self.runner.max_num_reqs)
         # compiled CPU graphs: one round's artifact (what its code depends on besides the
@@ -219,14 +214,26 @@ class MtpProposer(Proposer):
                                          progress, rounds)
                 self.dispatcher.go_live(desc)
 
+    def _capture_sizes(self, graphs: GraphManager | None) -> list[int]:
+        """The draft ladder (request counts) under ``graphs``; [] when it captures none."""
+        if (graphs is None or graphs.mode == CUDAGraphMode.NONE
+                or self.runner.backend.graph_support < GraphSupport.UNIFORM_BATCH):
+            return []
+        comp = self.config.compilation
+        return draft_capture_sizes(comp.cudagraph_capture_sizes, self.runner.max_num_reqs,
+                                   comp.max_cudagraph_capture_size,
+                                   short=self.runner.device.type == "cpu")
+
     def graph_status(self) -> dict:
-        """The drafter's graphs (engine.stats()["graphs"]["draft"]): live sizes (request
-        rows), how they replay ("compiled": one round's inductor artifact per round;
-        "emulated": the eager rounds again; "cuda"), their artifacts, and draft steps run
-        per "MODE:rows" (NONE: eagerly)."""
-        graphs = self.graphs
+        """The drafter's graphs (engine.stats()["graphs"]["draft"]): live and pending sizes
+        (request rows), how they replay ("compiled": one round's inductor artifact per
+        round; "emulated": the eager rounds again; "cuda"), their artifacts, and draft
+        steps run per "MODE:rows" (NONE: eagerly)."""
+        graphs = self.runner.graphs
         records = [r for r in graphs.records if r.graph == _DRAFT] if graphs else []
-        return {"live": sorted(d.num_reqs_padded for d in self.dispatcher.live),
+        live = sorted(d.num_reqs_padded for d in self.dispatcher.live)
+        return {"live": live,
+                "pending": [s for s in self._capture_sizes(graphs) if s not in live],
                 "replay": graphs.capture_backend.name if graphs else None,
                 "artifacts": sorted({r.artifact for r in records if r.artifact}),
                 "steps": dict(self.graph_replays)}
