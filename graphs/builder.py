@@ -61,6 +61,8 @@ class GraphBuilder:
         if self.done:
             return None
         if not self.pending:
+            if not may_compile and self._prefetching():
+                return None      # NOTE: it compiles the drafter's artifacts too: bind those
             after, self._after = self._after, None
             after()
             self._finish()
@@ -101,6 +103,16 @@ class GraphBuilder:
                                "not built yet compile on the serving thread, between steps",
                                status, self.prefetch.describe_failure(), len(self.pending))
         return key
+
+    def _prefetching(self) -> bool:
+        """Whether a prefetch still compiles (polled at most every POLL_INTERVAL_S)."""
+        if self.prefetch is None:
+            return False
+        now = time.perf_counter()
+        if now - self._polled < POLL_INTERVAL_S:
+            return True
+        self._polled = now
+        return self.prefetch.poll() is None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Bring every graph live now (compiling here if need be, never twice: artifacts

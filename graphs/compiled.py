@@ -223,9 +223,10 @@ class CompiledGraphBackend(EmulatedGraphBackend):
     """FULL graphs: trace + inductor compile at the capture's static shapes, or a load from
     the on-disk artifact cache when an entry with the same key exists.
 
-    PIECEWISE pieces and drafter graphs are captured as the emulated backend captures them
-    (run as ``compilation_config.backend`` compiled them). In debug mode every replay,
-    compiled or not, first poisons the pad rows of its inputs, as emulated replays do.
+    PIECEWISE pieces are captured as the emulated backend captures them (run as
+    ``compilation_config.backend`` compiled them); a drafter's graphs are one artifact of
+    a draft round, called once per round (``graphs.compiled_draft``). In debug mode every
+    replay, compiled or not, first poisons the pad rows of its inputs, as emulated replays do.
     """
 
     name = "compiled"

@@ -16,6 +16,7 @@ from rung.core.forward_context import (
     ForwardContext,
     current_descriptor,
     forward_context,
+    get_forward_context,
 )
 from rung.core.graph_mode import CUDAGraphMode
 from rung.graphs.backends import make_capture_backend, resolve_graph_backend
@@ -27,6 +28,7 @@ from rung.graphs.compiled import (
     prepare_inductor,
     symbolic_dims,
 )
+from rung.graphs.compiled_draft import DraftRounds, capture_compiled_draft
 from rung.graphs.compiler import compile_model
 from rung.graphs.dispatcher import Dispatcher, downgrade
 from rung.graphs.layered import build_layer_artifacts, capture_layers, layer_specs
@@ -290,18 +292,32 @@ class GraphManager:
     def capture_graph(self, name: str, desc: BatchExecutionDescriptor,
                       fn: Callable[..., Outputs], inputs: Sequence[torch.Tensor],
                       poison: PadPoisoner,
-                      progress: Callable[[CaptureRecord], None] | None = None) -> CaptureRecord:
+                      progress: Callable[[CaptureRecord], None] | None = None,
+                      rounds: DraftRounds | None = None) -> CaptureRecord:
         """Capture ``fn(*inputs)`` as the FULL graph ``name`` of ``desc``'s size (a drafter's
         rounds), in the target's capture backend and memory pool; the caller has entered the
-        forward context. ``poison`` garbles the pad rows of the batch ``inputs`` view."""
+        forward context. ``poison`` garbles the pad rows of the batch ``inputs`` view.
+
+        Compiled CPU graphs build it from ``rounds``' artifact of one round, called once per
+        round (``graphs.compiled_draft``); without ``rounds`` it is emulated there (a replay
+        re-runs ``fn``)."""
         start = time.perf_counter()
         self._poisoners[name] = poison
+        compile_s = load_s = artifact = None
         with torch.inference_mode():
-            graph = self.capture_backend.capture(fn, inputs)
+            if isinstance(self.capture_backend, CompiledGraphBackend) and rounds is not None:
+                symbolic = self.symbolic_batch and self.runner.max_num_reqs >= MIN_DYNAMIC_SIZE
+                graph = capture_compiled_draft(
+                    self.capture_backend, desc, fn, inputs, get_forward_context(),
+                    self._named_tensors([]), rounds, f"{name}.", symbolic)
+                compile_s, load_s, artifact = graph.compile_s, graph.load_s, graph.artifact_key
+            else:
+                graph = self.capture_backend.capture(fn, inputs)
         self.full_graphs[(name, desc)] = graph
         record = CaptureRecord(f"{name.upper()}_FULL", desc.num_tokens_padded,
                                desc.num_reqs_padded, time.perf_counter() - start,
-                               graph.nbytes, graph.num_kernel_nodes, name)
+                               graph.nbytes, graph.num_kernel_nodes, name,
+                               compile_s=compile_s, load_s=load_s, artifact=artifact)
         self.records.append(record)
         if progress is not None:
             progress(record)

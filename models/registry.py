@@ -32,6 +32,24 @@ class DraftModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def greedy_round(self, input_ids: torch.Tensor, target_hidden: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One greedy draft round: (token [R] int64, next target_hidden [R, backbone]),
+        what the next round takes. Compiled CPU graphs compile this (its source is in the
+        artifact key) and call it once per round."""
+        last_hidden, target_hidden = self(input_ids, target_hidden, positions)
+        return self.compute_logits(last_hidden).argmax(dim=-1), target_hidden
+
+    def greedy_drafts(self, input_ids: torch.Tensor, target_hidden: torch.Tensor,
+                      positions: torch.Tensor, num_drafts: int) -> torch.Tensor:
+        """``num_drafts`` greedy rounds at the constant ``positions`` -> drafts
+        [R, num_drafts] int64 (what a CUDA graph captures, or eager runs)."""
+        drafts = []
+        for _ in range(num_drafts):
+            input_ids, target_hidden = self.greedy_round(input_ids, target_hidden, positions)
+            drafts.append(input_ids)
+        return torch.stack(drafts, dim=1)
+
 
 def model_class(cfg: dict) -> type[nn.Module]:
     model_type = cfg.get("model_type")

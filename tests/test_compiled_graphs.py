@@ -186,3 +186,47 @@ def test_second_start_with_mtp_loads_the_verify_graph(tmp_path):
         got = llm.generate(prompt, params)
         assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids, start
         assert llm.engine.stats()["graph_replays"].get("FULL:4", 0) > 0, start
+
+
+@pytest.mark.slow
+def test_mtp_drafter_graphs_are_compiled_rounds_with_eager_tokens(tmp_path):
+    """tiny-gemma4 + its MTP drafter, every graph compiled: the draft steps replay one
+    round's inductor artifact (never the eager drafter), built on two rows and bound on one,
+    and the tokens (and drafts, so acceptance) equal an eager engine's."""
+    spec = {"method": "mtp", "model": "tiny-gemma4-mtp", "num_speculative_tokens": 3}
+    engine = dict(speculative_config=spec, max_num_seqs=2, max_model_len=64,
+                  num_gpu_blocks_override=24)
+    # target sizes 4 and 8 (1 + k tokens a request), draft sizes 1 and 2 (requests)
+    compiled = {"cudagraph_mode": "full_decode_only", "cudagraph_capture_sizes": [1, 2, 4, 8],
+                "graph_backend": "compiled", "cache_dir": str(tmp_path),
+                "graph_startup": "blocking"}
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    # NOTE: one request outlives the other, so both draft sizes replay
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (8, 24)]
+    eager = LLM("tiny-gemma4", enforce_eager=True, **engine)
+    want = eager.generate(prompts, params)
+    llm = LLM("tiny-gemma4", compilation_config=compiled, **engine)
+    draft = {r.num_reqs_padded: r for r in llm.engine.runner.graphs.records
+             if r.mode == "DRAFT_FULL"}
+    assert sorted(draft) == [1, 2]
+    assert draft[2].compile_s is not None and draft[1].load_s is not None   # one artifact
+    assert draft[1].artifact == draft[2].artifact
+    drafter = llm.engine.proposer.drafter
+    eager_calls = []
+    forward = drafter.forward
+    drafter.forward = lambda *a: (eager_calls.append(1), forward(*a))[1]
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = llm.engine.stats()
+    assert stats["spec"] == eager.engine.stats()["spec"]        # the same drafts accepted
+    draft_stats = stats["graphs"]["draft"]
+    assert draft_stats["replay"] == "compiled" and draft_stats["live"] == [1, 2]
+    assert draft_stats["pending"] == [] and draft_stats["artifacts"] == [draft[1].artifact]
+    assert set(draft_stats["steps"]) == {"FULL:1", "FULL:2"}, draft_stats
+    assert eager_calls == []                 # every draft step replayed the artifact
+    warm = LLM("tiny-gemma4", compilation_config=compiled, **engine)    # loads from disk
+    assert all(r.compile_s is None and r.load_s is not None
+               for r in warm.engine.runner.graphs.records)
+    got = warm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert warm.engine.stats()["spec"] == eager.engine.stats()["spec"]

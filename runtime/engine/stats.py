@@ -38,6 +38,9 @@ class EngineStats:
              # kernel variants JIT-compiled after warm-up: 0 in a healthy serving run
              "triton_compiles_after_warmup":
                  KERNEL_VARIANTS.count() - self.jit_variants_at_warmup}
+        draft = engine.proposer.graph_status() if engine.proposer is not None else None
+        if draft is not None:
+            s["graphs"]["draft"] = draft
         if engine.spec_stats is not None:
             s["spec"] = engine.spec_stats.as_dict()
         if engine.dp is not None:

@@ -24,6 +24,7 @@ from rung.core.attention_metadata import PAD_SLOT_ID
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.forward_context import ForwardContext, forward_context
 from rung.core.graph_mode import CUDAGraphMode, GraphSupport
+from rung.graphs.compiled_draft import DraftRounds
 from rung.graphs.dispatcher import Dispatcher
 from rung.graphs.ladder import draft_capture_sizes
 from rung.graphs.manager import CaptureRecord, GraphManager
@@ -186,29 +187,56 @@ class MtpProposer(Proposer):
                     progress: Callable[[CaptureRecord], None] | None = None) -> None:
         """FULL_DECODE_ONLY draft graphs on the draft ladder, through the target's graph
         manager (its capture backend and memory pool; `rung warmup` lists them)."""
-        if graphs.mode == CUDAGraphMode.NONE:
-            return
-        if self.runner.backend.graph_support < GraphSupport.UNIFORM_BATCH:
+        sizes = self._capture_sizes(graphs)
+        if not sizes:
             return
         self.graphs = graphs
-        comp = self.config.compilation
-        sizes = draft_capture_sizes(comp.cudagraph_capture_sizes, self.runner.max_num_reqs,
-                                    comp.max_cudagraph_capture_size,
-                                    short=self.runner.device.type == "cpu")
         self.dispatcher = Dispatcher(CUDAGraphMode.FULL_DECODE_ONLY, sizes,
                                      self.runner.max_num_reqs)
+        # compiled CPU graphs: one round's artifact (what its code depends on besides the
+        # tensors' shapes and models/' source: the drafter's class and config)
+        rounds = DraftRounds(self._draft_round, self.num_spec_tokens, self.drafter,
+                             {"drafter": type(self.drafter).__qualname__,
+                              "drafter_config": self.drafter.config})
         # NOTE: captured under the very descriptors dispatch() returns for a draft step
         # (FULL, one query per request, uniform_query_len 1), so replay finds its graph by
-        # the drafter's own descriptor, whatever the target's decode query length.
-        self.captured = self.dispatcher.capture_descriptors()
+        # the drafter's own descriptor, whatever the target's decode query length. Sizes
+        # of two rows or more first: under compiled CPU graphs they build the one artifact
+        # (symbolic batch) that a one-row graph then binds.
+        self.captured = sorted(self.dispatcher.capture_descriptors(),
+                               key=lambda d: (d.num_reqs_padded < 2, d.num_reqs_padded))
         with torch.inference_mode():
             for desc in self.captured:
                 self.batch.fill([], self._target_block_tables(), desc)
                 with forward_context(self._context(desc)):
                     graphs.capture_graph(_DRAFT, desc, self._draft_rounds,
                                          self.batch.graph_inputs(desc), self._poison_pads,
-                                         progress)
+                                         progress, rounds)
                 self.dispatcher.go_live(desc)
+
+    def _capture_sizes(self, graphs: GraphManager | None) -> list[int]:
+        """The draft ladder (request counts) under ``graphs``; [] when it captures none."""
+        if (graphs is None or graphs.mode == CUDAGraphMode.NONE
+                or self.runner.backend.graph_support < GraphSupport.UNIFORM_BATCH):
+            return []
+        comp = self.config.compilation
+        return draft_capture_sizes(comp.cudagraph_capture_sizes, self.runner.max_num_reqs,
+                                   comp.max_cudagraph_capture_size,
+                                   short=self.runner.device.type == "cpu")
+
+    def graph_status(self) -> dict:
+        """The drafter's graphs (engine.stats()["graphs"]["draft"]): live and pending sizes
+        (request rows), how they replay ("compiled": one round's inductor artifact per
+        round; "emulated": the eager rounds again; "cuda"), their artifacts, and draft
+        steps run per "MODE:rows" (NONE: eagerly)."""
+        graphs = self.runner.graphs
+        records = [r for r in graphs.records if r.graph == _DRAFT] if graphs else []
+        live = sorted(d.num_reqs_padded for d in self.dispatcher.live)
+        return {"live": live,
+                "pending": [s for s in self._capture_sizes(graphs) if s not in live],
+                "replay": graphs.capture_backend.name if graphs else None,
+                "artifacts": sorted({r.artifact for r in records if r.artifact}),
+                "steps": dict(self.graph_replays)}
 
     def _poison_pads(self, desc: BatchExecutionDescriptor, generator: torch.Generator) -> None:
         self.batch.poison_pads(desc, generator, self.runner.vocab_size,
@@ -273,10 +301,15 @@ class MtpProposer(Proposer):
 
     def _draft_rounds(self, input_ids: torch.Tensor, hidden: torch.Tensor,
                       positions: torch.Tensor, *metadata: torch.Tensor) -> torch.Tensor:
-        """k greedy rounds at a constant position -> drafts [num_reqs_padded, k]."""
-        drafts = []
-        for _ in range(self.num_spec_tokens):
-            last_hidden, hidden = self.drafter(input_ids, hidden, positions)
-            input_ids = self.drafter.compute_logits(last_hidden).argmax(dim=-1)
-            drafts.append(input_ids)
-        return torch.stack(drafts, dim=1)
+        """k greedy rounds at a constant position -> drafts [num_reqs_padded, k].
+
+        NOTE: the rounds are the drafter's own: models/, whose source keys a compiled
+        artifact (``_draft_round``)."""
+        return self.drafter.greedy_drafts(input_ids, hidden, positions, self.num_spec_tokens)
+
+    def _draft_round(self, input_ids: torch.Tensor, hidden: torch.Tensor,
+                     positions: torch.Tensor, *metadata: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One greedy round -> (tokens [num_reqs_padded], hidden [num_reqs_padded, B]): what
+        a compiled CPU draft graph compiles and calls k times."""
+        return self.drafter.greedy_round(input_ids, hidden, positions)

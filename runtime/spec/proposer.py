@@ -55,6 +55,10 @@ class Proposer:
                     progress: Callable[[CaptureRecord], None] | None = None) -> None:
         """Capture the proposer's graphs into ``graphs`` (nothing for a host-side one)."""
 
+    def graph_status(self) -> dict | None:
+        """The proposer's graphs for engine.stats() (None for a host-side one)."""
+        return None
+
     def propose_dummy(self, num_tokens_across_dp: tuple[int, ...]) -> None:
         """Data parallel: no request on this rank while others draft; run their size on
         pads (nothing for a host-side proposer)."""

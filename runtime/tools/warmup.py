@@ -47,7 +47,7 @@ def _table(records: list[dict], draft_records: list[dict], sizes: list[int],
         reqs = "-" if r["mode"] == CUDAGraphMode.PIECEWISE.name else str(r["num_reqs_padded"])
         rows.append(_row(r["mode"], str(size), reqs, serves.get(size, "?"), r))
     draft_serves = served_ranges(draft_sizes)
-    for r in draft_records:
+    for r in sorted(draft_records, key=lambda r: -r["num_reqs_padded"]):
         size = r["num_reqs_padded"]
         rows.append(_row(r["mode"], str(size), str(size),
                          draft_serves.get(size, "?") + " reqs", r))
@@ -68,7 +68,8 @@ def _artifact_lines(records: list[dict]) -> list[str]:
         how = f"compiled in {compile_s:.1f} s" if compile_s else "loaded"
         # NOTE: a per-layer graph names the artifacts of its layer kinds, "+"-joined
         name = "+".join(k[:12] for k in key.split("+"))
-        lines.append(f"artifact {name}: sizes {sorted(r['num_tokens_padded'] for r in rs)}, "
+        whose = "artifact" if rs[0]["graph"] == TARGET else f"{rs[0]['graph']} artifact"
+        lines.append(f"{whose} {name}: sizes {sorted(r['num_tokens_padded'] for r in rs)}, "
                      f"{how}, bound/loaded in {load_s:.1f} s")
     if by_artifact:
         total_compile = sum(r["compile_s"] or 0.0 for r in records)
@@ -108,7 +109,7 @@ def run_warmup(args: argparse.Namespace, build_llm: Callable) -> int:
               f"backend {graphs.capture_backend.name}, {elapsed:.1f} s total, of which "
               f"one-time tracing {graphs.trace_seconds:.1f} s (not in any row)")
         print(_table(records, draft, graphs.dispatcher.sizes, draft_sizes))
-        for line in _artifact_lines(records):
+        for line in _artifact_lines(records + draft):
             print(line)
         print(f"capture pool holds {graphs.pool_bytes / 2**20:.1f} MiB")
         note = getattr(graphs.capture_backend, "kernel_nodes_note", None)
