@@ -142,3 +142,44 @@ def test_second_start_with_mtp_loads_the_verify_graph(tmp_path):
         got = llm.generate(prompt, params)
         assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids, start
         assert llm.engine.stats()["graph_replays"].get("FULL:4", 0) > 0, start
+
+
+@pytest.mark.slow
+def test_logits_from_the_graph_match_eager_either_side_of_the_transposed_head(monkeypatch):
+    """A per-layer FULL graph ends in the final norm and the lm head (its epilogue), and
+    the runner samples from its logits. tiny-qwen3's tied head takes its W^T copy up to
+    MAX_ROWS_TRANSPOSED_HEAD rows and F.linear past it: one size-8 graph replays 3 and 6
+    requests, one on each side, with eager's tokens and logprobs; with the W^T copy
+    negated (in both engines) they still agree, so each side reads the weights eager's
+    branch reads."""
+    kwargs = dict(max_num_seqs=8, max_model_len=64, num_gpu_blocks_override=40)
+    compiled = LLM("tiny-qwen3", compilation_config={
+        "cudagraph_mode": "full_decode_only", "cudagraph_capture_sizes": [8],
+        "graph_backend": "compiled", "cache_dir": "", "graph_startup": "blocking"}, **kwargs)
+    eager = LLM("tiny-qwen3", enforce_eager=True, **kwargs)
+    model = compiled.engine.runner.model
+    eager_heads = []
+    real_logits = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits",
+                        lambda hidden: (eager_heads.append(hidden.shape[0]),
+                                        real_logits(hidden))[1])
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    for negated in (False, True):
+        if negated:
+            for llm in (compiled, eager):
+                llm.engine.runner.model.lm_head.weight_t.neg_()
+        for num_reqs in (3, 6):                 # MAX_ROWS_TRANSPOSED_HEAD is 4
+            prompts = [{"prompt_token_ids": [1, 7 + i, 9, 200 + i]} for i in range(num_reqs)]
+            got = compiled.generate(prompts, params)
+            want = eager.generate(prompts, params)
+            for g, w in zip(got, want):
+                assert g.outputs[0].token_ids == w.outputs[0].token_ids
+                for lp_g, lp_w in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+                    assert lp_g.keys() == lp_w.keys()
+                    for t in lp_g:
+                        assert abs(lp_g[t].logprob - lp_w[t].logprob) < 1e-4
+    replays = compiled.engine.stats()["graph_replays"]
+    assert replays.get("FULL:8", 0) >= 4 * 5, replays
+    # only the prefills ran the eager head (one step per batch); every decode step sampled
+    # from the graph's logits
+    assert eager_heads == [3, 6, 3, 6], eager_heads
