@@ -29,7 +29,8 @@ from rung.graphs.compiled import (
 )
 from rung.graphs.compiler import compile_model
 from rung.graphs.dispatcher import Dispatcher, downgrade
-from rung.graphs.layered import build_layer_artifacts, capture_layers, layer_specs
+from rung.graphs.layer_artifacts import build_layer_artifacts, layer_specs
+from rung.graphs.layered import capture_layers
 from rung.kernels.backend import AttentionBackend
 
 logger = logging.getLogger(__name__)
