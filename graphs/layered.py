@@ -140,9 +140,8 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
     NOTE: every layer's artifact must reproduce the eager layer on the capture batch, both
     fed the eager model's hidden states (``_teacher``), and each epilogue the eager norm
     and lm head, fed the eager last hidden states (``_check_epilogues``). Loaded artifacts
-    that do not are
-    dropped and compiled again (once); None when freshly compiled ones do not either (e.g.
-    a size the symbolic trace specialised).
+    that do not are dropped and compiled again (once); None when freshly compiled ones do
+    not either (e.g. a size the symbolic trace specialised).
     """
     start = time.perf_counter()
     with torch.no_grad():
