@@ -70,9 +70,9 @@ def test_cpp_wrapper_layers_called_directly_match_eager(monkeypatch):
     compiled = _compiled_matches_eager("tiny-llama", [1, 2], num_prompts=2)
     # the decoder layer's artifact (C++ wrapper: sizes as 0-dim tensors) and the
     # epilogue's (norm and lm head, once a step: the Python wrapper takes plain ints)
-    direct = compiled.engine.runner.graphs.capture_backend.direct_calls.values()
-    assert sorted(type(d.size_of) for d in direct if d is not None) == [PlainSizes,
-                                                                         SizeTensors]
+    direct = list(compiled.engine.runner.graphs.capture_backend.direct_calls.values())
+    assert None not in direct and len(direct) == 2
+    assert {type(d.size_of) for d in direct} == {PlainSizes, SizeTensors}
 
 
 @pytest.mark.slow
