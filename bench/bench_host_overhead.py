@@ -20,6 +20,7 @@ import torch
 
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.graph_mode import CUDAGraphMode
+from rung.graphs.capture import ForwardOutput
 from rung.graphs.dispatcher import Dispatcher
 from rung.graphs.ladder import capture_sizes
 from rung.runtime.api.llm import LLM
@@ -57,8 +58,8 @@ class _DispatchOnly:
         self.model = model
 
     def run(self, desc: BatchExecutionDescriptor, ids: torch.Tensor, positions: torch.Tensor,
-            ctx: object) -> torch.Tensor:
-        return self.model(ids, positions)
+            ctx: object, rows: torch.Tensor) -> ForwardOutput:
+        return ForwardOutput(self.model(ids, positions), None)
 
 
 def decode_engine(num_reqs: int) -> LLMEngine:

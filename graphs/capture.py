@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -15,8 +15,18 @@ Outputs = torch.Tensor | tuple
 logger = logging.getLogger(__name__)
 
 
+class ForwardOutput(NamedTuple):
+    """What a target forward (eager, or a graph's replay) hands the runner."""
+
+    hidden: torch.Tensor            # [num_tokens_padded, H] the last hidden states
+    # [num_rows, vocab] fp32: the logits of the rows the runner asked for, when the forward
+    # ends in the lm head (per-layer compiled graphs); None: the runner's lm head computes them
+    logits: torch.Tensor | None
+
+
 class CapturedGraph:
-    """A captured callable. ``replay(inputs)`` returns the static outputs."""
+    """A captured callable. ``replay(inputs)`` returns the static outputs; ``forward`` is a
+    target graph's replay as the runner takes it."""
 
     def __init__(self, static_inputs: Sequence[torch.Tensor], outputs: Outputs,
                  nbytes: int) -> None:
@@ -34,6 +44,11 @@ class CapturedGraph:
 
     def replay(self, inputs: Sequence[torch.Tensor]) -> Outputs:
         raise NotImplementedError
+
+    def forward(self, inputs: Sequence[torch.Tensor], rows: torch.Tensor) -> ForwardOutput:
+        """The replay of a target graph (its outputs: the hidden states) and the logits of
+        hidden[rows] [len(rows)] when the graph computes them; this one does not."""
+        return ForwardOutput(self.replay(inputs), None)
 
 
 def memory_identity(t: torch.Tensor) -> tuple:

@@ -35,9 +35,11 @@ class SizeTensors(dict):
 
 
 class PlainSizes(dict):
-    """size -> size: what an artifact called through its wrappers takes."""
+    """size -> size: what an artifact called through its wrappers (or a Python-wrapper
+    ``call``) takes; kept once seen, so a replay's lookup calls no Python."""
 
     def __missing__(self, size: int) -> int:
+        self[size] = size
         return size
 
 

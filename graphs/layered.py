@@ -4,11 +4,15 @@ A FULL graph of a model that exposes ``decoder_parts()`` is built from one induc
 artifact per layer KIND (Llama: one; Gemma 4: sliding, full, shared-KV and MoE variants),
 not from the whole forward: compile cost grows with neither the depth nor (with a
 symbolic batch) the ladder. An artifact's inputs are named relative to its layer
-(``param.mlp.down_proj.weight``, ``kv.self_attn.attn``, ``meta.self_attn.attn.seq_lens``,
-``hidden``, ``cos``, ``sin``), so the artifact traced on layer 0 binds to layer 29 by name.
+(graphs/layer_artifacts.py), so the artifact traced on layer 0 binds to layer 29 by name.
 
-A replay runs the model's embedding and rope eagerly (two gathers), calls each layer's
-artifact in turn on the previous one's hidden states, then the final norm eagerly.
+A replay runs the model's embedding eagerly (a gather), calls each layer's artifact in
+turn on the previous one's hidden states (each gathers its rope from the positions), then
+the EPILOGUE artifact: the final norm and the lm head of the sampled rows, so a replay
+returns the logits with the hidden states. The lm head may pick its kernel by row count
+(``DecoderParts.logits_splits``): one epilogue artifact per range of row counts, each
+traced with its range on the symbolic row dim, so the range decides the branch, not the
+trace's example size.
 """
 
 from __future__ import annotations
@@ -19,53 +23,36 @@ import functools
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from rung.core.forward_context import ForwardContext, forward_context
 from rung.graphs.artifact_cache import bind_inputs
-from rung.graphs.capture import CapturedGraph, memory_identity
+from rung.graphs.capture import CapturedGraph, ForwardOutput, memory_identity
 from rung.graphs.compiled import MIN_DYNAMIC_SIZE, CompiledGraphBackend
 from rung.graphs.direct_call import DirectCall, PlainSizes
+from rung.graphs.layer_artifacts import DecoderParts, layer_specs
 from rung.kernels.attention import Attention
 
 logger = logging.getLogger(__name__)
-
-class DecoderParts(Protocol):
-    """What a model's ``decoder_parts()`` returns (models.layers.DecoderParts): its forward
-    is ``norm(layer_n(...layer_1(rope, embed(input_ids))))``, each layer with the rope of
-    its ``layer_type``."""
-
-    embed: Callable[[torch.Tensor], torch.Tensor]
-    layers: nn.ModuleList
-    rotaries: Mapping[str, nn.Module]
-    norm: nn.Module
-
-
-_METADATA = ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
-# NOTE: per-layer names (which KV cache, which metadata a layer reads); what they select
-# comes in as inputs, so two layers that differ only in them share code.
-_PER_LAYER_ATTRIBUTES = frozenset({"layer_name", "kv_sharing_target", "training"})
 
 
 class _LayerCall:
     """One layer's artifact and its argument list, filled in place at each replay."""
 
-    __slots__ = ("run", "size_of", "args", "hidden_at", "cos_at", "sin_at", "rope", "tables",
-                 "sizes")
+    __slots__ = ("run", "size_of", "args", "hidden_at", "rows_at", "tables", "sizes")
 
     def __init__(self, artifact: Callable[..., Any], direct: DirectCall | None,
-                 names: list[str], named: dict, rope: str, tables: list[torch.Tensor]) -> None:
+                 names: list[str], named: dict, tables: list[torch.Tensor]) -> None:
         # NOTE: both take a copy of the argument list (the direct call empties it)
         self.run = (direct.call if direct is not None
                     else functools.partial(_call_unpacked, artifact))
         self.size_of = direct.size_of if direct is not None else PlainSizes()
         self.args, sizes = bind_inputs(names, named)
-        self.hidden_at, self.cos_at, self.sin_at = (names.index(n) if n in names else None
-                                                    for n in ("hidden", "cos", "sin"))
-        self.rope = rope
+        self.hidden_at, self.rows_at = (names.index(n) if n in names else None
+                                        for n in ("hidden", "rows"))
         table_ids = [memory_identity(t) for t in tables]
         # (argument index, index into the replay's cut tables)
         self.tables = tuple((i, table_ids.index(memory_identity(a))) for i, a in
@@ -79,7 +66,8 @@ def _call_unpacked(artifact: Callable[..., Any], args: list) -> Any:
 
 
 class LayeredGraph(CapturedGraph):
-    """A FULL graph as one artifact call per decoder layer (see the module docstring)."""
+    """A FULL graph as one artifact call per decoder layer, then the epilogue's (see the
+    module docstring)."""
 
     def __init__(self, static_inputs: Sequence[torch.Tensor], parts: DecoderParts,
                  seq_lens: torch.Tensor, tables: list[tuple[torch.Tensor, int]],
@@ -90,42 +78,58 @@ class LayeredGraph(CapturedGraph):
         self.seq_lens = seq_lens                 # [R] int32, host memory on CPU
         self.tables = tables                     # (full block table [R, W], block size)
         self.calls: list[_LayerCall] = []
+        # number of logits rows (1..T) -> the epilogue whose range holds it; [0] is None
+        self.epilogues: list[_LayerCall | None] = [None]
         self.poison = poison                     # debug mode: garbage into pad rows
         self.compile_s: float | None = None
         self.load_s: float | None = None
-        self.artifact_key: str | None = None     # "+"-joined keys of its layer artifacts
+        self.artifact_key: str | None = None     # "+"-joined keys of its artifacts
 
-    def replay(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    def forward(self, inputs: Sequence[torch.Tensor], rows: torch.Tensor) -> ForwardOutput:
         if self.poison is not None:     # debug mode: the identity check, then garbage
             self.check_inputs(inputs)
             self.poison()
-        return self._run()
+        return self._run(rows)
 
-    def _run(self, teacher: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None
-             = None) -> torch.Tensor:
-        """The replay; with ``teacher`` (the capture check), layer i's artifact gets the
-        hidden states ``teacher(i - 1, ...)`` returned, instead of its own previous output.
+    def replay(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        return self.forward(inputs, self.ids[:0]).hidden
+
+    def _run(self, rows: torch.Tensor,
+             teacher: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+             last: torch.Tensor | None = None) -> ForwardOutput:
+        """The replay: hidden [T, H] and the logits [len(rows), vocab] of hidden[rows] (None
+        for no rows: the norm alone then runs, eagerly). With ``teacher`` (the capture
+        check), layer i's artifact gets the hidden states ``teacher(i - 1, ...)`` returned,
+        instead of its own previous output; with ``last``, only the epilogue runs, on it.
         """
-        # NOTE: seq_lens lives in host memory on CPU: reading its max costs no sync. Each
-        # table is cut to the blocks the longest sequence covers (see CompiledGraph).
-        max_seq_len = int(self.seq_lens.max())
-        cut = [table[:, :min(max(-(-max_seq_len // block_size), MIN_DYNAMIC_SIZE),
-                             table.shape[1])].contiguous() for table, block_size in self.tables]
-        parts = self.parts
-        hidden = parts.embed(self.ids)                                   # [T, H]
-        ropes = {t: r.cos_sin(self.positions, hidden.dtype) for t, r in parts.rotaries.items()}
-        for n, call in enumerate(self.calls):
-            args = call.args
-            args[call.hidden_at] = hidden
-            if call.cos_at is not None:
-                args[call.cos_at], args[call.sin_at] = ropes[call.rope]
-            for i, t in call.tables:
-                args[i] = cut[t]
-            for i, src, dim in call.sizes:
-                args[i] = call.size_of[args[src].shape[dim]]
-            out = call.run(args.copy())[0]
-            hidden = out if teacher is None else teacher(n, hidden, out)
-        return parts.norm(hidden)
+        hidden = last
+        if hidden is None:
+            # NOTE: seq_lens lives in host memory on CPU: reading its max costs no sync.
+            # Each table is cut to the blocks the longest sequence covers (see
+            # CompiledGraph).
+            max_seq_len = int(self.seq_lens.max())
+            cut = [table[:, :min(max(-(-max_seq_len // block_size), MIN_DYNAMIC_SIZE),
+                                 table.shape[1])].contiguous()
+                   for table, block_size in self.tables]
+            hidden = self.parts.embed(self.ids)                          # [T, H]
+            for n, call in enumerate(self.calls):
+                args = call.args
+                args[call.hidden_at] = hidden
+                for i, t in call.tables:
+                    args[i] = cut[t]
+                for i, src, dim in call.sizes:
+                    args[i] = call.size_of[args[src].shape[dim]]
+                out = call.run(args.copy())[0]
+                hidden = out if teacher is None else teacher(n, hidden, out)
+        call = self.epilogues[rows.shape[0]]
+        if call is None:                 # nothing sampled (a data-parallel dummy step)
+            return ForwardOutput(self.parts.norm(hidden), None)
+        args = call.args
+        args[call.hidden_at], args[call.rows_at] = hidden, rows
+        for i, src, dim in call.sizes:
+            args[i] = call.size_of[args[src].shape[dim]]
+        hidden, logits = call.run(args.copy())
+        return ForwardOutput(hidden, logits)
 
 
 def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor],
@@ -135,9 +139,10 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
     from per-layer artifacts, each compiled once per kind or loaded from the disk cache.
 
     NOTE: every layer's artifact must reproduce the eager layer on the capture batch, both
-    fed the eager model's hidden states (``_Teacher``). Loaded artifacts that do not are
-    dropped and compiled again (once); None when freshly compiled ones do not either (e.g.
-    a size the symbolic trace specialised).
+    fed the eager model's hidden states (``_Teacher``), and each epilogue the eager norm
+    and lm head, fed the eager last hidden states (``_check_epilogues``). Loaded artifacts
+    that do not are dropped and compiled again (once); None when freshly compiled ones do
+    not either (e.g. a size the symbolic trace specialised).
     """
     start = time.perf_counter()
     with torch.no_grad():
@@ -146,9 +151,11 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
         graph, loaded = _bind_layers(backend, inputs, parts, ctx, specs)
         try:
             mismatches: list[str] = []
-            with _one_thread(), _Teacher(parts, inputs[0], inputs[1], _eager_context(ctx),
-                                         mismatches) as teacher:
-                graph.outputs = graph._run(teacher)
+            with _one_thread():
+                with _Teacher(parts, inputs[0], inputs[1], _eager_context(ctx),
+                              mismatches) as teacher:
+                    graph.outputs = graph._run(inputs[0][:0], teacher).hidden
+                _check_epilogues(graph, parts, teacher.last(), mismatches)
             ok = not mismatches
             why = f"disagrees with eager ({'; '.join(mismatches[:3])})"
         except Exception as e:  # noqa: BLE001 - e.g. a dim the trace specialised after all
@@ -171,7 +178,7 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
 class _Teacher:
     """The capture check of each layer's artifact against the eager layer, both fed the
     eager model's hidden states (``LayeredGraph._run``'s teacher); what disagrees goes into
-    ``mismatches``.
+    ``mismatches``; ``last()``: the eager last layer's output (the epilogues' input).
 
     NOTE: layer by layer, not on the last hidden states: where activations are rounded to
     int8 (GGUF on CPU), inductor's last-bit differences in a fused norm flip roundings, and
@@ -231,6 +238,13 @@ class _Teacher:
             self.mismatches.append(f"layer {n}: max |difference| {err:.3g}")
         return expected
 
+    def last(self) -> torch.Tensor:
+        """The eager last layer's output, once the check has run."""
+        expected = self._expected[-1]
+        if expected is None:
+            raise RuntimeError("the capture check has not run the eager layers")
+        return expected
+
     def _run_eager(self) -> None:
         parts = self.parts
         inference, grad = self._modes     # NOTE: both are per thread in torch
@@ -255,6 +269,26 @@ class _Teacher:
         finally:
             for event in self._eager_done:
                 event.set()
+
+
+def _check_epilogues(graph: LayeredGraph, parts: DecoderParts, hidden: torch.Tensor,
+                     mismatches: list[str]) -> None:
+    """Each epilogue artifact of ``graph`` against the eager norm and lm head, both fed
+    the eager model's last hidden states ``hidden`` [T, H], at the fewest and the most
+    logits rows it serves in this graph; what disagrees goes into ``mismatches``."""
+    counts: dict[int, list[int]] = {}
+    for n, call in enumerate(graph.epilogues):
+        if call is not None:
+            counts.setdefault(id(call), []).append(n)
+    normed = parts.norm(hidden)
+    for n in sorted({n for ns in counts.values() for n in (ns[0], ns[-1])}):
+        rows = torch.arange(n, device=hidden.device)
+        out = graph._run(rows, last=hidden)
+        for what, got, want in (("norm", out.hidden, normed),
+                                ("logits", out.logits, parts.logits(normed[rows]))):
+            if not torch.allclose(got, want, rtol=1e-3, atol=1e-4):
+                err = float((got - want).abs().max())
+                mismatches.append(f"epilogue of {n} rows, {what}: max |difference| {err:.3g}")
 
 
 @contextlib.contextmanager
@@ -293,111 +327,26 @@ def _bind_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor],
     tables = list({memory_identity(m.block_table): (m.block_table, m.block_size)
                    for m in metas}.values())
     graph = LayeredGraph(inputs, parts, metas[0].seq_lens, tables, backend.poison_hook)
-    keys, loaded, compiled = [], set(), False
-    for layer, rope, named, dynamic, key in specs:
-        rotary, cos, sin = rope, named["cos"], named["sin"]
-        artifact, names, compile_s = backend.layer_artifact(
-            key, _layer_fn(layer, parts.rotaries[rotary]), [named["hidden"], cos, sin],
-            named, dynamic)
+    keys, loaded, compiled, epilogues = [], set(), False, []
+    for spec in specs:
+        artifact, names, compile_s = backend.layer_artifact(spec.key, spec.fn, spec.example,
+                                                            spec.named, spec.dynamic,
+                                                            spec.options)
         compiled |= compile_s is not None
         if compile_s is None:
-            loaded.add(key)
-        graph.calls.append(_LayerCall(artifact, backend.direct_call(key, named), names,
-                                      named, rotary, [t for t, _ in tables]))
-        keys.append(key)
+            loaded.add(spec.key)
+        call = _LayerCall(artifact, backend.direct_call(spec.key, spec.named), names,
+                          spec.named, [t for t, _ in tables])
+        if spec.rows is None:
+            graph.calls.append(call)
+        else:
+            epilogues.append((spec.rows, call))
+        keys.append(spec.key)
+    graph.epilogues += [next(c for (lo, hi), c in epilogues if lo <= n <= hi)
+                        for n in range(1, inputs[0].shape[0] + 1)]
     graph.compile_s = 0.0 if compiled else None
     graph.artifact_key = "+".join(dict.fromkeys(keys))
     return graph, loaded
-
-
-def build_layer_artifacts(backend: CompiledGraphBackend, parts: DecoderParts,
-                          specs: list) -> float:
-    """Compile (or load) the artifact of every layer kind in ``specs``, binding nothing;
-    the seconds spent compiling."""
-    seen: set[str] = set()
-    compile_s = 0.0
-    for layer, rope, named, dynamic, key in specs:
-        if key not in seen:
-            seen.add(key)
-            compile_s += backend.layer_artifact(
-                key, _layer_fn(layer, parts.rotaries[rope]),
-                [named["hidden"], named["cos"], named["sin"]], named, dynamic)[2] or 0.0
-    return compile_s
-
-
-def _layer_fn(layer: nn.Module, rotary: nn.Module) -> Callable[..., torch.Tensor]:
-    def run_layer(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return layer((rotary, cos, sin), hidden)
-    return run_layer
-
-
-def layer_specs(backend: CompiledGraphBackend, parts: DecoderParts, ctx: ForwardContext,
-                ids: torch.Tensor, positions: torch.Tensor, graph_key: dict[str, Any],
-                symbolic: bool) -> list[tuple]:
-    """(layer, its rope type, its named tensors, dims traced symbolic, artifact key) of
-    every decoder layer, on the capture batch ``ids`` / ``positions`` in ``ctx``."""
-    hidden = parts.embed(ids)                                            # [T, H]
-    ropes = {t: r.cos_sin(positions, hidden.dtype) for t, r in parts.rotaries.items()}
-    specs = []
-    for layer in parts.layers:
-        named = layer_tensors(layer, ctx, hidden, *ropes[layer.layer_type],
-                              parts.rotaries[layer.layer_type])
-        dynamic = _layer_dynamic(named, symbolic)
-        key = backend.key(named, dynamic, {**graph_key, "per_layer": layer_signature(layer)})
-        specs.append((layer, layer.layer_type, named, dynamic, key))
-    return specs
-
-
-def layer_tensors(layer: nn.Module, ctx: ForwardContext, hidden: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor, rotary: nn.Module
-                  ) -> dict[str, torch.Tensor]:
-    """Every tensor a decoder layer may read, by a name relative to the layer."""
-    named = {"hidden": hidden, "cos": cos, "sin": sin}
-    named.update({f"param.{n}": p for n, p in layer.named_parameters()})
-    named.update({f"buffer.{n}": b for n, b in layer.named_buffers()})
-    named.update({f"rotary.{n}": b for n, b in rotary.named_buffers()})
-    for path, module in layer.named_modules():
-        if isinstance(module, Attention):
-            if module.kv_cache is not None:
-                named[f"kv.{path}"] = module.kv_cache
-            meta = ctx.attn_metadata[module.layer_name].common
-            named.update({f"meta.{path}.{f}": getattr(meta, f) for f in _METADATA})
-    return named
-
-
-def _layer_dynamic(named: dict[str, torch.Tensor], symbolic: bool
-                   ) -> dict[str, tuple[int, ...]]:
-    """Dims traced as symbols: each KV cache's block count and each block table's width
-    (as whole-forward graphs do) and, when ``symbolic``, the token / request dimension."""
-    dims: dict[str, tuple[int, ...]] = {}
-    for name, t in named.items():
-        wide = t.dim() > 1 and t.shape[1] >= MIN_DYNAMIC_SIZE
-        if name.startswith("kv.") and wide:
-            dims[name] = (1,)
-        elif name in ("hidden", "cos", "sin") or name.startswith("meta."):
-            dims[name] = (((0,) if symbolic else ())
-                          + ((1,) if name.endswith(".block_table") and wide else ()))
-    return {name: d for name, d in dims.items() if d}
-
-
-def layer_signature(layer: nn.Module) -> list:
-    """What a layer's traced code depends on besides its tensors' shapes: each submodule's
-    class and plain attributes (head counts, eps, sliding window, activation...)."""
-    return [[path, type(m).__qualname__,
-             {k: _describe(v) for k, v in sorted(vars(m).items())
-              if not k.startswith("_") and k not in _PER_LAYER_ATTRIBUTES
-              and not isinstance(v, torch.Tensor)}]
-            for path, m in layer.named_modules()]
-
-
-def _describe(value: Any) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_describe(v) for v in value]
-    if dataclasses.is_dataclass(value):
-        return repr(value)
-    return getattr(value, "__qualname__", type(value).__qualname__)
 
 
 def _attention_modules(layers: nn.ModuleList) -> list[Attention]:

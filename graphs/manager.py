@@ -20,7 +20,7 @@ from rung.core.forward_context import (
 )
 from rung.core.graph_mode import CUDAGraphMode
 from rung.graphs.backends import make_capture_backend, resolve_graph_backend
-from rung.graphs.capture import CapturedGraph, CudaGraphBackend, Outputs
+from rung.graphs.capture import CapturedGraph, CudaGraphBackend, ForwardOutput, Outputs
 from rung.graphs.compiled import (
     MIN_DYNAMIC_SIZE,
     CompiledGraphBackend,
@@ -31,7 +31,8 @@ from rung.graphs.compiled import (
 from rung.graphs.compiled_draft import DraftRounds, capture_compiled_draft
 from rung.graphs.compiler import compile_model
 from rung.graphs.dispatcher import Dispatcher, downgrade
-from rung.graphs.layered import build_layer_artifacts, capture_layers, layer_specs
+from rung.graphs.layer_artifacts import build_layer_artifacts, layer_specs
+from rung.graphs.layered import capture_layers
 from rung.kernels.backend import AttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -251,8 +252,7 @@ class GraphManager:
             with forward_context(ctx):
                 specs = layer_specs(self.capture_backend, self._decoder_parts(), ctx, ids,
                                     positions, compile_key(rows, ctx, True), True)
-                compile_s = build_layer_artifacts(self.capture_backend,
-                                                  self._decoder_parts(), specs)
+                compile_s = build_layer_artifacts(self.capture_backend, specs)
             self.runner.dummy_batch(desc)      # NOTE: back to the one-row batch's pads
         return compile_s
 
@@ -365,24 +365,25 @@ class GraphManager:
 
     # --- replay ---------------------------------------------------------------------------
     def run(self, desc: BatchExecutionDescriptor, ids: torch.Tensor, positions: torch.Tensor,
-            ctx: ForwardContext) -> torch.Tensor:
+            ctx: ForwardContext, rows: torch.Tensor) -> ForwardOutput:
         """The forward of ``desc`` (dispatched by ``dispatcher``), in ``ctx`` (entered here
-        for what reads it)."""
+        for what reads it): hidden states, and the logits of hidden[rows] where a FULL
+        graph computes them (``CapturedGraph.forward``)."""
         if desc.mode == CUDAGraphMode.FULL:
             graph = self.full_graphs[(TARGET, self.dispatcher.graph_key(desc))]
             # NOTE: a target replay: _replaying is TARGET outside a drafter's replay
             inputs = self._full_inputs(ids, positions, ctx)
             if not self._full_replay_reads_context:
-                return graph.replay(inputs)
+                return graph.forward(inputs, rows)
             with forward_context(ctx):
-                return graph.replay(inputs)
+                return graph.forward(inputs, rows)
         with forward_context(ctx):
             if desc.mode == CUDAGraphMode.NONE:
                 # NOTE: the model itself, not the torch.compile wrapper of the pieces: its
                 # first call traces the whole model, which must not delay an eager step
                 # (background start-up serves eagerly before any graph is live)
-                return self.runner.model(ids, positions)
-            return self._forward_fn(ids, positions)
+                return ForwardOutput(self.runner.model(ids, positions), None)
+            return ForwardOutput(self._forward_fn(ids, positions), None)
 
     def _poison_pads(self) -> None:
         """Garbage into pad input rows before a replay: real outputs must not change."""

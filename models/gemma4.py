@@ -363,7 +363,7 @@ class Gemma4ForCausalLM(nn.Module):
     def decoder_parts(self) -> DecoderParts:
         """``forward`` in pieces (see DecoderParts)."""
         return DecoderParts(self.embed_input_ids, self.model.layers, self.rotary,
-                            self.model.norm)
+                            self.model.norm, self.compute_logits, self.lm_head)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_reqs, hidden] -> logits [num_reqs, vocab] fp32, softcapped."""

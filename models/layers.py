@@ -219,6 +219,16 @@ def lm_head_logits(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     return head(hidden).float()
 
 
+def lm_head_row_splits(head: nn.Module, dtype: torch.dtype) -> tuple[int, ...]:
+    """The row counts past which ``lm_head_logits(head, hidden)`` of ``dtype`` hidden
+    states takes another kernel (``DecoderParts.logits_splits``): the transposed head's
+    limit where it has one it takes for few rows."""
+    weight_t = getattr(head, "weight_t", None)
+    if isinstance(head, QuantLinear) or weight_t is None or weight_t.dtype != dtype:
+        return ()
+    return (MAX_ROWS_TRANSPOSED_HEAD,)
+
+
 def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
     """inv_freq [rotary_dim // 2] fp32, HF's default and llama3 rope types."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float()
@@ -312,12 +322,18 @@ Rope = tuple[RotaryEmbedding, torch.Tensor, torch.Tensor]
 class DecoderParts:
     """A decoder's forward in the pieces ``forward`` runs them in, for callers that run the
     layers one by one (compiled CPU graphs compile one layer and call it per layer):
-    ``embed(input_ids)`` [T, H], each layer with the rope of its ``layer_type``, ``norm``."""
+    ``embed(input_ids)`` [T, H], each layer with the rope of its ``layer_type``, ``norm``;
+    then ``logits`` (the model's ``compute_logits``) of the sampled rows."""
 
     embed: Callable[[torch.Tensor], torch.Tensor]
     layers: nn.ModuleList
     rotaries: Mapping[str, RotaryEmbedding]
     norm: nn.Module
+    logits: Callable[[torch.Tensor], torch.Tensor]    # hidden [N, H] -> [N, vocab] fp32
+    head: nn.Module                                    # the module whose tensors it reads
+    # NOTE: row counts past which ``logits`` takes another path (see lm_head_row_splits):
+    # a caller that compiles it compiles it once per range between them
+    logits_splits: tuple[int, ...] = ()
 
 
 def decoder_layers(layers: nn.ModuleList, norm: nn.Module,

@@ -16,6 +16,7 @@ from rung.models.layers import (
     RotaryEmbedding,
     decoder_layers,
     lm_head_logits,
+    lm_head_row_splits,
     rope_inv_freq,
 )
 from rung.models.weights import WeightStream, check_all_loaded, load_named_weights
@@ -114,7 +115,10 @@ class LlamaForCausalLM(nn.Module):
     def decoder_parts(self) -> DecoderParts:
         """``forward`` in pieces (see DecoderParts)."""
         return DecoderParts(self.model.embed_tokens, self.model.layers,
-                            {FULL_ATTENTION: self.model.rotary_emb}, self.model.norm)
+                            {FULL_ATTENTION: self.model.rotary_emb}, self.model.norm,
+                            self.compute_logits, self.lm_head,
+                            lm_head_row_splits(self.lm_head,
+                                               self.model.embed_tokens.weight.dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_reqs, hidden] -> logits [num_reqs, vocab] fp32."""

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import rung.graphs.compiled as compiled_graphs
-from rung.graphs.direct_call import SizeTensors
+from rung.graphs.direct_call import PlainSizes, SizeTensors
 from rung.runtime import LLM, SamplingParams
 
 
@@ -72,8 +72,11 @@ def test_cpp_wrapper_layers_called_directly_match_eager(monkeypatch):
     monkeypatch.setattr(compiled_graphs, "INDUCTOR_OPTIONS",
                         {"config_patches": {"cpp_wrapper": True}})
     compiled = _compiled_matches_eager("tiny-llama", [1, 2], num_prompts=2)
-    [direct] = compiled.engine.runner.graphs.capture_backend.direct_calls.values()
-    assert isinstance(direct.size_of, SizeTensors)
+    # the decoder layer's artifact (C++ wrapper: sizes as 0-dim tensors) and the
+    # epilogue's (norm and lm head, once a step: the Python wrapper takes plain ints)
+    direct = list(compiled.engine.runner.graphs.capture_backend.direct_calls.values())
+    assert None not in direct and len(direct) == 2
+    assert {type(d.size_of) for d in direct} == {PlainSizes, SizeTensors}
 
 
 _WARM_START = """
@@ -161,7 +164,8 @@ def test_engines_that_differ_in_kv_and_batch_limits_share_the_artifact(tmp_path)
     got = second.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert second.engine.stats()["graph_replays"].get("FULL:2", 0) > 0
-    assert len(list(tmp_path.glob("compiled/*/artifact.bin"))) == 1
+    # one decoder-layer kind and one epilogue (tiny-llama's untied head has no row branch)
+    assert len(list(tmp_path.glob("compiled/*/artifact.bin"))) == 2
 
 
 def test_second_start_with_mtp_loads_the_verify_graph(tmp_path):
@@ -230,3 +234,44 @@ def test_mtp_drafter_graphs_are_compiled_rounds_with_eager_tokens(tmp_path):
     got = warm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert warm.engine.stats()["spec"] == eager.engine.stats()["spec"]
+
+
+@pytest.mark.slow
+def test_logits_from_the_graph_match_eager_either_side_of_the_transposed_head(monkeypatch):
+    """A per-layer FULL graph ends in the final norm and the lm head (its epilogue), and
+    the runner samples from its logits. tiny-qwen3's tied head takes its W^T copy up to
+    MAX_ROWS_TRANSPOSED_HEAD rows and F.linear past it: one size-8 graph replays 3 and 6
+    requests, one on each side, with eager's tokens and logprobs; with the W^T copy
+    negated (in both engines) they still agree, so each side reads the weights eager's
+    branch reads."""
+    kwargs = dict(max_num_seqs=8, max_model_len=64, num_gpu_blocks_override=40)
+    compiled = LLM("tiny-qwen3", compilation_config={
+        "cudagraph_mode": "full_decode_only", "cudagraph_capture_sizes": [8],
+        "graph_backend": "compiled", "cache_dir": "", "graph_startup": "blocking"}, **kwargs)
+    eager = LLM("tiny-qwen3", enforce_eager=True, **kwargs)
+    model = compiled.engine.runner.model
+    eager_heads = []
+    real_logits = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits",
+                        lambda hidden: (eager_heads.append(hidden.shape[0]),
+                                        real_logits(hidden))[1])
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    for negated in (False, True):
+        if negated:
+            for llm in (compiled, eager):
+                llm.engine.runner.model.lm_head.weight_t.neg_()
+        for num_reqs in (3, 6):                 # MAX_ROWS_TRANSPOSED_HEAD is 4
+            prompts = [{"prompt_token_ids": [1, 7 + i, 9, 200 + i]} for i in range(num_reqs)]
+            got = compiled.generate(prompts, params)
+            want = eager.generate(prompts, params)
+            for g, w in zip(got, want):
+                assert g.outputs[0].token_ids == w.outputs[0].token_ids
+                for lp_g, lp_w in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+                    assert lp_g.keys() == lp_w.keys()
+                    for t in lp_g:
+                        assert abs(lp_g[t].logprob - lp_w[t].logprob) < 1e-4
+    replays = compiled.engine.stats()["graph_replays"]
+    assert replays.get("FULL:8", 0) >= 4 * 5, replays
+    # only the prefills ran the eager head (one step per batch); every decode step sampled
+    # from the graph's logits
+    assert eager_heads == [3, 6, 3, 6], eager_heads

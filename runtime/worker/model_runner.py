@@ -15,6 +15,7 @@ from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.forward_context import ForwardContext, forward_context
 from rung.core.graph_mode import CUDAGraphMode
 from rung.core.kv_cache_spec import KVCacheGroup, group_layers_by_spec
+from rung.graphs.capture import ForwardOutput
 from rung.graphs.dispatcher import Dispatcher
 from rung.kernels.attention import Attention
 from rung.kernels.backend import AttentionBackend, allocate_kv_cache
@@ -211,9 +212,10 @@ class ModelRunner:
         for hook in self._descriptor_hooks:
             desc = hook(desc, num_tokens_across_dp)
         self.input_batch.pad(desc)
-        hidden = self.forward(desc, layout)                       # [num_tokens_padded, H]
         rows = to_device(self.device, layout.logits_indices)     # NOTE: non_blocking
-        logits = self.model.compute_logits(hidden[rows])          # [num_logits, vocab]
+        hidden, logits = self.forward(desc, layout, rows)         # [num_tokens_padded, H]
+        if logits is None:      # NOTE: a forward that does not end in the lm head
+            logits = self.model.compute_logits(hidden[rows])      # [num_logits, vocab]
         out = ModelRunnerOutput(desc, {s.request.request_id: [] for s in sched.scheduled},
                                 {}, hidden, logits)
         self._sample(sched, layout, logits, out, num_draft_tokens_across_dp)
@@ -228,15 +230,18 @@ class ModelRunner:
             self.input_batch.poison(self._poison_rng, self.vocab_size, self.num_blocks)
         layout = self.input_batch.prepare_empty()
         self.input_batch.pad(desc)
-        self.forward(desc, layout)
+        self.forward(desc, layout, to_device(self.device, layout.logits_indices))
 
-    def forward(self, desc: BatchExecutionDescriptor, layout: BatchLayout) -> torch.Tensor:
-        """Run the target model on the prepared, padded batch -> hidden [num_tokens_padded, H]."""
+    def forward(self, desc: BatchExecutionDescriptor, layout: BatchLayout,
+                rows: torch.Tensor) -> ForwardOutput:
+        """Run the target model on the prepared, padded batch -> hidden [num_tokens_padded,
+        H] and, where a graph ends in the lm head (per-layer compiled FULL graphs), the
+        logits of hidden[rows] (``rows``: [num_logits] int64, the sampled token rows)."""
         ids, positions, ctx = self.model_inputs(desc, layout)
         if self.graphs is not None:
-            return self.graphs.run(desc, ids, positions, ctx)     # enters ctx where read
+            return self.graphs.run(desc, ids, positions, ctx, rows)   # enters ctx where read
         with forward_context(ctx):
-            return self.model(ids, positions)
+            return ForwardOutput(self.model(ids, positions), None)
 
     def model_inputs(self, desc: BatchExecutionDescriptor, layout: BatchLayout
                      ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
