@@ -65,6 +65,25 @@ def source_hash() -> str:
 
 
 @functools.lru_cache(maxsize=1)
+def holds_loadable_build(root: Path) -> bool:
+    """Whether the disk cache under ``root`` holds an entry that this torch and this rung
+    source built, with a wrapper library this machine loads without inductor: a start
+    that will most likely load its graphs rather than compile them. Any model's entry
+    counts (which model an entry serves is known only once the model is loaded)."""
+    build = {"torch": torch.__version__, "rung_source": source_hash()}
+    machine = machine_signature()
+    for path in (Path(root) / "compiled").glob("*/meta.json"):
+        try:
+            meta = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        model, wrapper = meta.get("model") or {}, meta.get("wrapper") or {}
+        if all(model.get(k) == v for k, v in build.items()) and \
+                wrapper.get("machine") == machine:
+            return True
+    return False
+
+
 def machine_signature() -> str:
     """What a compiled wrapper library needs of the machine that loads it: the CPU's
     instruction-set flags (inductor picks the vector ISA it compiles for from them, and

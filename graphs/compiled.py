@@ -212,12 +212,11 @@ def trace_forward(fn: Callable[..., torch.Tensor], inputs: Sequence,
     return traced
 
 
-def compile_traced(traced: TracedGraph, options: dict[str, Any] | None = None) -> Any:
-    """An inductor artifact of a traced forward: static shapes but the dims traced symbolic;
-    ``options``: inductor's, INDUCTOR_OPTIONS by default."""
-    return torch._inductor.standalone_compile(
-        traced.gm, traced.inputs, dynamic_shapes="from_graph",
-        options=copy.deepcopy(INDUCTOR_OPTIONS if options is None else options))
+def compile_traced(traced: TracedGraph) -> Any:
+    """An inductor artifact of a traced forward: static shapes but the dims traced symbolic."""
+    return torch._inductor.standalone_compile(traced.gm, traced.inputs,
+                                              dynamic_shapes="from_graph",
+                                              options=copy.deepcopy(INDUCTOR_OPTIONS))
 
 
 class CompiledGraphBackend(EmulatedGraphBackend):
@@ -288,14 +287,12 @@ class CompiledGraphBackend(EmulatedGraphBackend):
         return graph
 
     def layer_artifact(self, key: str, fn: Callable[..., torch.Tensor], inputs: Sequence,
-                       named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]],
-                       options: dict[str, Any] | None = None
+                       named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]]
                        ) -> tuple[Any, list[str], float | None]:
         """(artifact, its input names, compile seconds or None when it was built earlier)
         of ``fn(*inputs)`` (one decoder layer, or a per-layer graph's epilogue), keyed
-        ``key`` (which must hold ``options``, inductor's, when they are not the default):
-        from this process, the disk cache (its wrapper library alone when it has one: no
-        inductor import), or traced and compiled now, then probed for a direct call
+        ``key``: from this process, the disk cache (its wrapper library alone when it has
+        one: no inductor import), or traced and compiled now, then probed for a direct call
         (``direct_call``) on ``named``'s tensors (a capture batch: its KV write goes to pad
         slots) and saved."""
         known = self.artifacts.get(key)
@@ -313,7 +310,7 @@ class CompiledGraphBackend(EmulatedGraphBackend):
             return *known, None
         start = time.perf_counter()
         traced = trace_forward(fn, inputs, named, dynamic)
-        artifact = compile_traced(traced, options)
+        artifact = compile_traced(traced)
         compile_s = time.perf_counter() - start
         names = input_names(traced.inputs, traced.sizes, named)
         if names is None:

@@ -43,7 +43,6 @@ class ArtifactSpec(NamedTuple):
     named: dict[str, torch.Tensor]
     dynamic: dict[str, tuple[int, ...]]      # name -> dims traced symbolic
     rows: tuple[int, int] | None             # an epilogue's range of row counts; None: a layer
-    options: dict[str, Any] | None           # inductor's; None: the default INDUCTOR_OPTIONS
     key: str                                 # NOTE: last: callers read spec[-1]
 
 
@@ -62,7 +61,7 @@ def build_layer_artifacts(backend: CompiledGraphBackend, specs: list[ArtifactSpe
         if spec.key not in seen:
             seen.add(spec.key)
             compile_s += backend.layer_artifact(spec.key, spec.fn, spec.example, spec.named,
-                                                spec.dynamic, spec.options)[2] or 0.0
+                                                spec.dynamic)[2] or 0.0
     return compile_s
 
 
@@ -95,7 +94,7 @@ def layer_specs(backend: CompiledGraphBackend, parts: DecoderParts, ctx: Forward
         dynamic = _layer_dynamic(named, symbolic)
         key = backend.key(named, dynamic, {**graph_key, "per_layer": layer_signature(layer)})
         specs.append(ArtifactSpec(_layer_fn(layer, rotary), [hidden, positions], named,
-                                  dynamic, None, None, key))
+                                  dynamic, None, key))
     return specs + _epilogue_specs(backend, parts, hidden, graph_key, symbolic)
 
 
@@ -123,18 +122,10 @@ def _epilogue_specs(backend: CompiledGraphBackend, parts: DecoderParts, hidden: 
         dynamic = {"rows": (0,), **({"hidden": (0,)} if symbolic else {})}
         key = backend.key(named, dynamic, {**graph_key, "epilogue_rows": [lo, hi],
                                            "norm": layer_signature(parts.norm),
-                                           "head": layer_signature(parts.head),
-                                           "epilogue_options": EPILOGUE_OPTIONS})
+                                           "head": layer_signature(parts.head)})
         specs.append(ArtifactSpec(_epilogue_fn(parts), [hidden, rows], named, dynamic,
-                                  (lo, hi), EPILOGUE_OPTIONS, key))
+                                  (lo, hi), key))
     return specs
-
-
-# NOTE: the Python wrapper, not INDUCTOR_OPTIONS' C++ one: an epilogue is called once a
-# step (the C++ wrapper pays off over a layer's ~10 kernels, 30 layers a step), and the
-# epilogues of one model share their norm kernel, which inductor's kernel cache compiles
-# once, while each C++ wrapper (ATen headers) is a compile of its own
-EPILOGUE_OPTIONS: dict[str, Any] = {}
 
 
 def _module_tensors(prefix: str, module: nn.Module) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import rung.graphs.compiled as compiled_graphs
-from rung.graphs.direct_call import PlainSizes, SizeTensors
+from rung.graphs.direct_call import SizeTensors
 from rung.runtime import LLM, SamplingParams
 
 
@@ -72,11 +72,11 @@ def test_cpp_wrapper_layers_called_directly_match_eager(monkeypatch):
     monkeypatch.setattr(compiled_graphs, "INDUCTOR_OPTIONS",
                         {"config_patches": {"cpp_wrapper": True}})
     compiled = _compiled_matches_eager("tiny-llama", [1, 2], num_prompts=2)
-    # the decoder layer's artifact (C++ wrapper: sizes as 0-dim tensors) and the
-    # epilogue's (norm and lm head, once a step: the Python wrapper takes plain ints)
+    # the decoder layer's artifact and the epilogue's (norm and lm head), both called
+    # through their C++ wrappers (sizes as 0-dim tensors)
     direct = list(compiled.engine.runner.graphs.capture_backend.direct_calls.values())
     assert None not in direct and len(direct) == 2
-    assert {type(d.size_of) for d in direct} == {PlainSizes, SizeTensors}
+    assert {type(d.size_of) for d in direct} == {SizeTensors}
 
 
 _WARM_START = """
@@ -105,7 +105,9 @@ def test_a_warm_start_loads_the_cpp_wrapper_without_inductor(tmp_path, monkeypat
                         {"config_patches": {"cpp_wrapper": True}})
     first = _compiled("tiny-llama", [1, 2], str(tmp_path))
     assert [r.compile_s is not None for r in first.engine.runner.graphs.records] == [True, False]
-    assert len(list(tmp_path.glob("compiled/*/wrapper-*.so"))) == 1
+    # every artifact (the layer kind, the epilogue) keeps its wrapper library
+    entries = list(tmp_path.glob("compiled/*/meta.json"))
+    assert len(entries) == 2 and len(list(tmp_path.glob("compiled/*/wrapper-*.so"))) == 2
     want = _tokens(LLM("tiny-llama", enforce_eager=True, **KWARGS), 2)
     proc = subprocess.run([sys.executable, "-c", _WARM_START, str(tmp_path),
                            json.dumps(PROMPTS[:2])], capture_output=True, text=True,

@@ -9,11 +9,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
 from tqdm import tqdm
 
-from rung.graphs.artifact_cache import default_cache_dir
+from rung.graphs.artifact_cache import default_cache_dir, holds_loadable_build
 from rung.graphs.backends import resolve_graph_backend
 from rung.graphs.builder import GraphBuilder
+from rung.graphs.compiled import prepare_inductor
 from rung.graphs.ladder import capture_sizes
 from rung.graphs.manager import TARGET, CaptureRecord, GraphManager, artifact_cache
 from rung.models.loader import LoadedModel, load_model
@@ -31,10 +33,19 @@ logger = logging.getLogger(__name__)
 def load_target(config: EngineConfig) -> tuple[LoadedModel, int]:
     """The model to serve and its max_model_len (ValueError for a drafter or a length
     above the model's own)."""
-    # NOTE: inductor is not prepared here: a warm start loads every artifact as its
-    # wrapper library, without inductor (an artifact to compile imports it when it does).
+    # NOTE: a blocking start that will compile prepares inductor while the model loads (its
+    # imports, vector-ISA pick and torch_key: ~5 s of SmolLM2's cold compile otherwise); a
+    # warm one loads every artifact as its wrapper library, without inductor, and a thread
+    # importing it beside the load would only fight the main thread for the GIL. A
+    # background start prepares it once an artifact is built (GraphBuilder).
+    cache_dir = _cache_dir(config)
+    if config.compilation.graph_startup == "blocking" and not config.enforce_eager and \
+            resolve_graph_backend(config.compilation.graph_backend,
+                                  torch.device(config.device)) == "compiled" and \
+            (cache_dir is None or not holds_loadable_build(cache_dir)):
+        prepare_inductor()
     loaded = load_model(config.model, config.dtype, str(config.device), config.load_format,
-                        quantization=config.quantization, cache_dir=_cache_dir(config))
+                        quantization=config.quantization, cache_dir=cache_dir)
     if isinstance(loaded.model, DraftModel):
         raise ValueError(f"model {config.model!r} is an MTP drafter, not a model to serve: "
                          "pass it as speculative_config={'method': 'mtp', 'model': "
