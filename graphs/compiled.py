@@ -112,8 +112,10 @@ def _kv_width_inputs(graph_inputs: list[torch.Tensor]
     return seq_lens_index, found
 
 
-def _mark_dynamic(named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]]) -> None:
-    """Trace the ``dynamic`` dimensions of the named tensors as symbols (sizes >= 2).
+def _mark_dynamic(named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]],
+                  ranges: dict[str, tuple[int, int]]) -> None:
+    """Trace the ``dynamic`` dimensions of the named tensors as symbols (sizes >= 2); a
+    dim 0 named in ``ranges`` with that range as the symbol's bounds.
 
     NOTE: leading (batch) dims are tied to each other (query_start_loc holds one more
     row than seq_lens, a verify batch 1 + k tokens per row), which a range given to each
@@ -122,7 +124,10 @@ def _mark_dynamic(named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, 
     """
     for name, dims in dynamic.items():
         for dim in dims:
-            if dim == 0:
+            if dim == 0 and name in ranges:
+                torch._dynamo.mark_dynamic(named[name], dim, min=ranges[name][0],
+                                           max=ranges[name][1])
+            elif dim == 0:
                 torch._dynamo.maybe_mark_dynamic(named[name], dim)
             else:
                 torch._dynamo.mark_dynamic(named[name], dim, min=MIN_DYNAMIC_SIZE,
@@ -190,9 +195,11 @@ def _prepare_inductor(done: threading.Event) -> None:
 
 def trace_forward(fn: Callable[..., torch.Tensor], inputs: Sequence,
                   named: dict[str, torch.Tensor] | None = None,
-                  dynamic: dict[str, tuple[int, ...]] | None = None) -> TracedGraph:
+                  dynamic: dict[str, tuple[int, ...]] | None = None,
+                  ranges: dict[str, tuple[int, int]] | None = None) -> TracedGraph:
     """One dynamo trace of ``fn(*inputs)`` with attention inlined; runs it once.
-    ``dynamic``: name (in ``named``) -> dimensions traced symbolic."""
+    ``dynamic``: name (in ``named``) -> dimensions traced symbolic; ``ranges``: name ->
+    the bounds of its dim 0's symbol."""
     traced = TracedGraph()
     # NOTE: every trace of one function (one per artifact, engines built in one process)
     # adds an entry to dynamo's cache of that code object; past its limit dynamo stops
@@ -202,7 +209,7 @@ def trace_forward(fn: Callable[..., torch.Tensor], inputs: Sequence,
         torch._dynamo.config.accumulated_recompile_limit, 4096)
     ctx = get_forward_context()
     ctx.inline_attention = True
-    _mark_dynamic(named or {}, dynamic or {})
+    _mark_dynamic(named or {}, dynamic or {}, ranges or {})
     try:
         torch.compile(fn, backend=traced, fullgraph=True, dynamic=False)(*inputs)
     finally:
@@ -287,7 +294,8 @@ class CompiledGraphBackend(EmulatedGraphBackend):
         return graph
 
     def layer_artifact(self, key: str, fn: Callable[..., torch.Tensor], inputs: Sequence,
-                       named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]]
+                       named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]],
+                       ranges: dict[str, tuple[int, int]] | None = None
                        ) -> tuple[Any, list[str], float | None]:
         """(artifact, its input names, compile seconds or None when it was built earlier)
         of ``fn(*inputs)`` (one decoder layer, or a per-layer graph's epilogue), keyed
@@ -309,7 +317,7 @@ class CompiledGraphBackend(EmulatedGraphBackend):
             self.artifacts[key] = known
             return *known, None
         start = time.perf_counter()
-        traced = trace_forward(fn, inputs, named, dynamic)
+        traced = trace_forward(fn, inputs, named, dynamic, ranges)
         artifact = compile_traced(traced)
         compile_s = time.perf_counter() - start
         names = input_names(traced.inputs, traced.sizes, named)

@@ -45,6 +45,14 @@ class ArtifactSpec(NamedTuple):
     rows: tuple[int, int] | None             # an epilogue's range of row counts; None: a layer
     key: str                                 # NOTE: last: callers read spec[-1]
 
+    @property
+    def ranges(self) -> dict[str, tuple[int, int]]:
+        """An epilogue's row symbol, traced with its range as bounds (so a branch of the
+        head on the row count is decided by the range); none for a layer."""
+        if self.rows is None:
+            return {}
+        return {"rows": (max(self.rows[0], MIN_DYNAMIC_SIZE), self.rows[1])}
+
 
 _METADATA = ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
 # NOTE: per-layer names (which KV cache, which metadata a layer reads); what they select
@@ -61,7 +69,7 @@ def build_layer_artifacts(backend: CompiledGraphBackend, specs: list[ArtifactSpe
         if spec.key not in seen:
             seen.add(spec.key)
             compile_s += backend.layer_artifact(spec.key, spec.fn, spec.example, spec.named,
-                                                spec.dynamic)[2] or 0.0
+                                                spec.dynamic, spec.ranges)[2] or 0.0
     return compile_s
 
 
@@ -116,7 +124,6 @@ def _epilogue_specs(backend: CompiledGraphBackend, parts: DecoderParts, hidden: 
         if example > hi:
             raise ValueError(f"logits_splits {parts.logits_splits} leave a range of one row")
         rows = torch.arange(example, device=hidden.device) % hidden.shape[0]     # [N] int64
-        torch._dynamo.mark_dynamic(rows, 0, min=example, max=hi)
         named = {"hidden": hidden, "rows": rows, **_module_tensors("norm", parts.norm),
                  **_module_tensors("head", parts.head)}
         dynamic = {"rows": (0,), **({"hidden": (0,)} if symbolic else {})}

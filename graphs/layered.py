@@ -330,7 +330,8 @@ def _bind_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor],
     keys, loaded, compiled, epilogues = [], set(), False, []
     for spec in specs:
         artifact, names, compile_s = backend.layer_artifact(spec.key, spec.fn, spec.example,
-                                                            spec.named, spec.dynamic)
+                                                            spec.named, spec.dynamic,
+                                                            spec.ranges)
         compiled |= compile_s is not None
         if compile_s is None:
             loaded.add(spec.key)
