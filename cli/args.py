@@ -40,11 +40,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy: random weights for a folder's config.json (no weight files)")
     p.add_argument("--dtype", default="auto",
-                   help="auto (bfloat16 on CUDA or with --quantization, else float32), "
-                        "float32, bfloat16, float16")
+                   help="auto (bfloat16 on CUDA, and with --quantization where rung's CPU "
+                        "kernel cannot run; else float32), float32, bfloat16, float16")
     p.add_argument("--quantization", default=None, choices=["gguf"],
-                   help="gguf: a GGUF file's Q4_0 / Q4_1 weights stay int4 (bfloat16 "
-                        "activations); without it every weight is dequantized to --dtype")
+                   help="gguf: a GGUF file's Q4_0 / Q4_1 weights stay 4-bit (rung's CPU "
+                        "kernel: fp32 activations; torch's int4 kernel elsewhere: bfloat16); "
+                        "without it every weight is dequantized to --dtype")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling generator")
     p.add_argument("--max-num-seqs", type=int, default=16,

@@ -28,6 +28,7 @@ import platform
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,32 @@ def source_hash() -> str:
 
 
 @functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)
+def prepare_inductor() -> threading.Event:
+    """Import inductor and do what it does once per process before it loads an artifact
+    (pick the CPU's vector ISA: a probe built per ISA in subprocesses; hash torch's own
+    source, the key every artifact carries), in a thread started at the first call: seconds
+    of Python that would otherwise stall the serving thread at its first bind (SmolLM2:
+    4.9 s). Set when done."""
+    done = threading.Event()
+    threading.Thread(target=_prepare_inductor, args=(done,), daemon=True,
+                     name="rung-prepare-inductor").start()
+    return done
+
+
+def _prepare_inductor(done: threading.Event) -> None:
+    try:
+        import torch._inductor.compile_fx  # noqa: F401 - what loading an artifact imports
+        import torch._inductor.standalone_compile  # noqa: F401
+        from torch._inductor.codecache import torch_key
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        pick_vec_isa()
+        torch_key()
+    finally:
+        done.set()       # NOTE: a failure shows at the bind, as without this
+
+
 def holds_loadable_build(root: Path) -> bool:
     """Whether the disk cache under ``root`` holds an entry that this torch and this rung
     source built, with a wrapper library this machine loads without inductor: a start

@@ -10,9 +10,7 @@ guard is evaluated and nothing is re-traced per step.
 from __future__ import annotations
 
 import copy
-import functools
 import logging
-import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -165,32 +163,6 @@ def _size_inputs(gm: fx.GraphModule) -> dict[int, tuple[int, int]]:
                 raise RuntimeError(f"traced forward input {i} is a size no tensor input has")
             sizes[i] = dims[value.node.expr]
     return sizes
-
-
-@functools.lru_cache(maxsize=1)
-def prepare_inductor() -> threading.Event:
-    """Import inductor and do what it does once per process before it loads an artifact
-    (pick the CPU's vector ISA: a probe built per ISA in subprocesses; hash torch's own
-    source, the key every artifact carries), in a thread started at the first call: seconds
-    of Python that would otherwise stall the serving thread at its first bind (SmolLM2:
-    4.9 s). Set when done."""
-    done = threading.Event()
-    threading.Thread(target=_prepare_inductor, args=(done,), daemon=True,
-                     name="rung-prepare-inductor").start()
-    return done
-
-
-def _prepare_inductor(done: threading.Event) -> None:
-    try:
-        import torch._inductor.compile_fx  # noqa: F401 - what loading an artifact imports
-        import torch._inductor.standalone_compile  # noqa: F401
-        from torch._inductor.codecache import torch_key
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-        pick_vec_isa()
-        torch_key()
-    finally:
-        done.set()       # NOTE: a failure shows at the bind, as without this
 
 
 def trace_forward(fn: Callable[..., torch.Tensor], inputs: Sequence,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -19,13 +18,17 @@ from rung.core.forward_context import (
     get_forward_context,
 )
 from rung.core.graph_mode import CUDAGraphMode
-from rung.graphs.backends import make_capture_backend, resolve_graph_backend
+from rung.graphs.artifact_cache import prepare_inductor
+from rung.graphs.backends import (
+    make_capture_backend,
+    resolve_graph_backend,
+    without_cpu_pieces,
+)
 from rung.graphs.capture import CapturedGraph, CudaGraphBackend, ForwardOutput, Outputs
 from rung.graphs.compiled import (
     MIN_DYNAMIC_SIZE,
     CompiledGraphBackend,
     compile_key,
-    prepare_inductor,
     symbolic_dims,
 )
 from rung.graphs.compiled_draft import DraftRounds, capture_compiled_draft
@@ -81,7 +84,7 @@ class GraphManager:
         mode = downgrade(mode, runner.backend.graph_support, runner.backend.name)
         if (mode.has_piecewise() and piece_compiler == "eager"
                 and resolve_graph_backend(graph_backend, runner.device) == "compiled"):
-            mode = _no_cpu_pieces(mode)
+            mode = without_cpu_pieces(mode)
         self.dispatcher = Dispatcher(mode, sizes, runner.max_num_reqs, decode_query_len)
         self._poison_gen = torch.Generator().manual_seed(1234)
         self.capture_backend = make_capture_backend(graph_backend, runner.device,
@@ -391,27 +394,3 @@ class GraphManager:
         if desc is not None:
             self._poisoners[self._replaying](desc, self._poison_gen)
 
-
-def _no_cpu_pieces(mode: CUDAGraphMode) -> CUDAGraphMode:
-    """The mode without PIECEWISE graphs, for compiled CPU graphs whose pieces would run
-    uncompiled: such a replay is the eager ops plus a copy into static outputs, SLOWER than
-    eager (SmolLM2, 24-token prefill: 1.17x eager's time, ``python -m
-    rung.bench.piecewise_cpu``), and costs a dynamo trace of the whole model (18 s)."""
-    new = CUDAGraphMode.FULL_DECODE_ONLY if mode.has_full() else CUDAGraphMode.NONE
-    logger.info("compiled CPU graphs: cudagraph_mode %s runs as %s (PIECEWISE pieces would "
-                "run uncompiled, slower than eager; compilation_config backend='inductor' "
-                "compiles them)", mode.name, new.name)
-    return new
-
-
-def artifact_cache(runner: GraphRunner, config: Any) -> Any:
-    """The disk cache of compiled graphs, or None when compilation_config turns it off."""
-    from rung.graphs.artifact_cache import ArtifactCache, default_cache_dir
-
-    root = config.compilation.cache_dir
-    if root == "":
-        return None
-    model = runner.model
-    return ArtifactCache(Path(root) if root else default_cache_dir(),
-                         {"model_class": type(model).__name__, "dtype": str(config.dtype),
-                          "model_config": getattr(model, "config", None)})

@@ -12,12 +12,16 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from rung.graphs.artifact_cache import default_cache_dir, holds_loadable_build
+from rung.graphs.artifact_cache import (
+    ArtifactCache,
+    default_cache_dir,
+    holds_loadable_build,
+    prepare_inductor,
+)
 from rung.graphs.backends import resolve_graph_backend
 from rung.graphs.builder import GraphBuilder
-from rung.graphs.compiled import prepare_inductor
 from rung.graphs.ladder import capture_sizes
-from rung.graphs.manager import TARGET, CaptureRecord, GraphManager, artifact_cache
+from rung.graphs.manager import TARGET, CaptureRecord, GraphManager
 from rung.models.loader import LoadedModel, load_model
 from rung.models.registry import DraftModel
 from rung.runtime.config import EngineConfig
@@ -56,6 +60,16 @@ def load_target(config: EngineConfig) -> tuple[LoadedModel, int]:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                          f"max_position_embeddings={model_max}")
     return loaded, max_model_len
+
+
+def _artifact_cache(runner: ModelRunner, config: EngineConfig) -> ArtifactCache | None:
+    """The disk cache of compiled graphs, or None when compilation_config turns it off."""
+    root = _cache_dir(config)
+    if root is None:
+        return None
+    model = runner.model
+    return ArtifactCache(root, {"model_class": type(model).__name__, "dtype": str(config.dtype),
+                                "model_config": getattr(model, "config", None)})
 
 
 def _cache_dir(config: EngineConfig) -> Path | None:
@@ -97,7 +111,7 @@ def make_graph_manager(runner: ModelRunner, config: EngineConfig) -> GraphManage
                           config.num_spec_tokens, config.max_num_batched_tokens,
                           comp.max_cudagraph_capture_size, short=runner.device.type == "cpu")
     compiled = resolve_graph_backend(comp.graph_backend, runner.device) == "compiled"
-    cache = artifact_cache(runner, config) if compiled else None
+    cache = _artifact_cache(runner, config) if compiled else None
     _warn_if_batches_run_eagerly(sizes, config)
     graphs = GraphManager(runner, comp.cudagraph_mode, sizes, 1 + config.num_spec_tokens,
                           comp.backend, comp.graph_backend, config.debug_padding, cache)
