@@ -47,6 +47,17 @@ class PlainSizes(dict):
 class DirectCall:
     call: Callable[[list], list]     # empties the list it is given: hand it a copy
     size_of: dict                    # a symbolic size -> what ``call`` takes for it
+    # a wrapper library rung loaded itself (``load_wrapper``): its entry point, which a
+    # replay may call as ``from_handles(entry(to_handles(args)))``, what ``call`` does,
+    # without ``call``'s Python frame (one a layer, 31 a SmolLM2 step)
+    entry: Callable[[list], list] | None = None
+
+
+# NOTE: the C functions the generated call converts with (builtins: no Python frame):
+# tensors -> the handles an entry point takes (and owns), the handles it returns -> tensors
+_AOTI = getattr(torch._C, "_aoti", None)
+to_handles = getattr(_AOTI, "unsafe_alloc_void_ptrs_from_tensors", None)
+from_handles = getattr(_AOTI, "alloc_tensors_by_stealing_from_void_ptrs", None)
 
 
 def direct_call(artifact: Callable[..., Any], args: list) -> DirectCall | None:
@@ -130,14 +141,12 @@ def load_wrapper(path: str, name: str) -> DirectCall:
         spec.loader.exec_module(module)
         sys.modules[module_name] = module
     entry = getattr(module, _WRAPPER_ENTRY)
-    to_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
-    from_handles = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
 
     def call(args: list) -> list:
         handles = to_handles(args)
         args.clear()          # NOTE: as the generated call: the entry owns the inputs now
         return from_handles(entry(handles))
-    return DirectCall(call, SizeTensors())
+    return DirectCall(call, SizeTensors(), entry)
 
 
 def _compiled_fx_graphs(fn: Any, depth: int = 0) -> list:

@@ -32,7 +32,7 @@ from rung.core.forward_context import ForwardContext, forward_context
 from rung.graphs.artifact_cache import bind_inputs
 from rung.graphs.capture import CapturedGraph, ForwardOutput, memory_identity
 from rung.graphs.compiled import MIN_DYNAMIC_SIZE, CompiledGraphBackend
-from rung.graphs.direct_call import DirectCall, PlainSizes
+from rung.graphs.direct_call import DirectCall, PlainSizes, from_handles, to_handles
 from rung.graphs.layer_artifacts import DecoderParts, layer_specs
 from rung.kernels.attention import Attention
 
@@ -42,13 +42,14 @@ logger = logging.getLogger(__name__)
 class _LayerCall:
     """One layer's artifact and its argument list, filled in place at each replay."""
 
-    __slots__ = ("run", "size_of", "args", "hidden_at", "rows_at", "tables", "sizes")
+    __slots__ = ("run", "entry", "size_of", "args", "hidden_at", "rows_at", "tables", "sizes")
 
     def __init__(self, artifact: Callable[..., Any], direct: DirectCall | None,
                  names: list[str], named: dict, tables: list[torch.Tensor]) -> None:
         # NOTE: both take a copy of the argument list (the direct call empties it)
         self.run = (direct.call if direct is not None
                     else functools.partial(_call_unpacked, artifact))
+        self.entry = direct.entry if direct is not None else None    # see DirectCall
         self.size_of = direct.size_of if direct is not None else PlainSizes()
         self.args, sizes = bind_inputs(names, named)
         self.hidden_at, self.rows_at = (names.index(n) if n in names else None
@@ -119,7 +120,8 @@ class LayeredGraph(CapturedGraph):
                     args[i] = cut[t]
                 for i, src, dim in call.sizes:
                     args[i] = call.size_of[args[src].shape[dim]]
-                out = call.run(args.copy())[0]
+                out = (call.run(args.copy()) if call.entry is None
+                       else from_handles(call.entry(to_handles(args))))[0]
                 hidden = out if teacher is None else teacher(n, hidden, out)
         call = self.epilogues[rows.shape[0]]
         if call is None:                 # nothing sampled (a data-parallel dummy step)
@@ -128,7 +130,8 @@ class LayeredGraph(CapturedGraph):
         args[call.hidden_at], args[call.rows_at] = hidden, rows
         for i, src, dim in call.sizes:
             args[i] = call.size_of[args[src].shape[dim]]
-        hidden, logits = call.run(args.copy())
+        hidden, logits = (call.run(args.copy()) if call.entry is None
+                          else from_handles(call.entry(to_handles(args))))
         return ForwardOutput(hidden, logits)
 
 
