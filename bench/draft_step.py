@@ -44,8 +44,8 @@ def _whole_rounds(llm: Any) -> float:
     """Replace each compiled draft graph by one artifact of the k unrolled rounds; the
     seconds its compile took."""
     from rung.core.forward_context import forward_context
-    from rung.graphs.compiled import compile_key
-    from rung.graphs.compiled_draft import draft_dynamic, draft_tensors
+    from rung.graphs.compiled import compile_key, symbolic_dims
+    from rung.graphs.compiled_draft import DRAFT_BATCHED, draft_tensors
 
     proposer, graphs = llm.engine.proposer, llm.engine.runner.graphs
     backend, start = graphs.capture_backend, time.perf_counter()
@@ -58,7 +58,7 @@ def _whole_rounds(llm: Any) -> float:
                 named = draft_tensors(inputs, ctx, graphs._named_tensors([]),
                                       {"draft.": proposer.drafter})
                 symbolic = max(d.num_reqs_padded for d in proposer.captured) >= 2
-                dynamic = draft_dynamic(named, ctx, symbolic)
+                dynamic = symbolic_dims(named, ctx, symbolic, DRAFT_BATCHED)
                 graph_key = {**compile_key(desc, ctx, symbolic), "whole_rounds":
                              proposer.num_spec_tokens}
                 graphs.full_graphs[("draft", desc)] = backend.capture_model(

@@ -51,6 +51,23 @@ class CapturedGraph:
         return ForwardOutput(self.replay(inputs), None)
 
 
+class ArtifactGraph(CapturedGraph):
+    """A CPU graph whose replay calls compiled code on the capture's own buffers
+    (``_run``). ``poison``, set in debug mode: a replay first checks that its inputs are
+    the capture's, then garbles their pad rows."""
+
+    poison: Callable[[], None] | None = None
+
+    def replay(self, inputs: Sequence[torch.Tensor]) -> Outputs:
+        if self.poison is not None:
+            self.check_inputs(inputs)
+            self.poison()
+        return self._run()
+
+    def _run(self) -> Outputs:
+        raise NotImplementedError
+
+
 def memory_identity(t: torch.Tensor) -> tuple:
     """What a view reads: two view objects of one buffer slice compare equal."""
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)

@@ -20,7 +20,7 @@ from torch import fx
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.forward_context import ForwardContext, get_forward_context
 from rung.graphs.artifact_cache import ArtifactCache, artifact_key, bind_inputs, input_names
-from rung.graphs.capture import CapturedGraph, EmulatedGraphBackend, memory_identity
+from rung.graphs.capture import ArtifactGraph, EmulatedGraphBackend, memory_identity
 from rung.graphs.direct_call import DirectCall, direct_call, wrapper_library
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 INDUCTOR_OPTIONS: dict[str, Any] = {"config_patches": {"cpp_wrapper": True}}
 
 
-class CompiledGraph(CapturedGraph):
+class CompiledGraph(ArtifactGraph):
     """An inductor artifact and the flat inputs it was traced with.
 
     Each block table is handed over cut to the blocks the batch's longest sequence
@@ -53,12 +53,6 @@ class CompiledGraph(CapturedGraph):
         self.seq_lens_index, self.block_tables = _kv_width_inputs(graph_inputs)
         self.sizes = sizes           # int input index -> (tensor input index, its dim)
         self.artifact_key: str | None = None   # shared by every size traced symbolic
-
-    def replay(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        if self.poison is not None:     # debug mode: the identity check, then garbage
-            self.check_inputs(inputs)
-            self.poison()
-        return self._run()
 
     def _run(self) -> torch.Tensor:
         args = list(self.graph_inputs)
@@ -376,13 +370,14 @@ def compile_key(desc: BatchExecutionDescriptor, ctx: ForwardContext, symbolic_ba
             "num_reqs_padded": desc.num_reqs_padded}
 
 
-def symbolic_dims(named: dict[str, torch.Tensor], ctx: ForwardContext, batch: bool
-                  ) -> dict[str, tuple[int, ...]]:
+def symbolic_dims(named: dict[str, torch.Tensor], ctx: ForwardContext, batch: bool,
+                  batched: tuple[str, ...] = ("input.",)) -> dict[str, tuple[int, ...]]:
     """Dimensions a compiled forward traces as symbols, by tensor name: each KV cache's
     block count (dim 1 of [2, num_blocks, block_size, kv_heads, head_dim]), each block
     table's width (blocks read per request, cut at each replay) and, with ``batch``, the
-    leading (token or request) dimension of every input buffer view, so one artifact
-    serves every ladder size."""
+    leading (token or request) dimension of every tensor named with a ``batched`` prefix
+    (the input buffer views; a drafter's metadata too), so one artifact serves every
+    ladder size."""
     tables = {memory_identity(getattr(m, "common", m).block_table)
               for m in ctx.attn_metadata.values()}
     dims: dict[str, tuple[int, ...]] = {}
@@ -390,7 +385,7 @@ def symbolic_dims(named: dict[str, torch.Tensor], ctx: ForwardContext, batch: bo
         wide = t.dim() > 1 and t.shape[1] >= MIN_DYNAMIC_SIZE
         if name.startswith("kv.") and wide:
             dims[name] = (1,)
-        elif name.startswith("input."):
+        elif name.startswith(batched):
             dims[name] = ((0,) if batch else ()) + ((1,) if memory_identity(t) in tables
                                                      and wide else ())
     return {name: d for name, d in dims.items() if d}

@@ -31,13 +31,21 @@ from torch import nn
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.forward_context import ForwardContext
 from rung.graphs.artifact_cache import bind_inputs
-from rung.graphs.capture import CapturedGraph, memory_identity
-from rung.graphs.compiled import MIN_DYNAMIC_SIZE, CompiledGraphBackend, compile_key
+from rung.graphs.capture import ArtifactGraph, memory_identity
+from rung.graphs.compiled import (
+    MIN_DYNAMIC_SIZE,
+    CompiledGraphBackend,
+    compile_key,
+    symbolic_dims,
+)
 from rung.graphs.direct_call import PlainSizes
 
 logger = logging.getLogger(__name__)
 
 _METADATA = ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
+# names whose leading dim is the request batch (``symbolic_dims``): the draft batch's
+# views and its metadata
+DRAFT_BATCHED = ("input.", "meta.")
 # the inputs a round takes from the previous one: the draft batch's token ids and hidden rows
 _IDS, _HIDDEN = "input.0", "input.1"
 
@@ -53,7 +61,7 @@ class DraftRounds:
     graph_key: dict[str, Any]         # what else the round's code depends on (its config)
 
 
-class CompiledRounds(CapturedGraph):
+class CompiledRounds(ArtifactGraph):
     """A drafter's FULL graph: ``num_rounds`` calls of one round's artifact, bound by name
     to the capture's tensors (the draft batch's views, the target's KV and weights)."""
 
@@ -81,12 +89,6 @@ class CompiledRounds(CapturedGraph):
         self.compile_s: float | None = None   # seconds to trace + compile (and check)
         self.load_s: float | None = None      # seconds to bind an artifact built earlier
         self.artifact_key: str | None = None  # shared by every size of the draft ladder
-
-    def replay(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        if self.poison is not None:     # debug mode: the identity check, then garbage
-            self.check_inputs(inputs)
-            self.poison()
-        return self._run()
 
     def _run(self) -> torch.Tensor:
         """-> drafts [num_reqs_padded, num_rounds] int64."""
@@ -131,7 +133,7 @@ def capture_compiled_draft(backend: CompiledGraphBackend, desc: BatchExecutionDe
     named = draft_tensors(inputs, ctx, tensors, {prefix: rounds.module})
     rows = desc.num_reqs_padded
     for batch in dict.fromkeys((symbolic, False)):
-        dynamic = draft_dynamic(named, ctx, batch)
+        dynamic = symbolic_dims(named, ctx, batch, DRAFT_BATCHED)
         key = backend.key(named, dynamic, {**compile_key(desc, ctx, batch), **rounds.graph_key})
         if batch and rows < MIN_DYNAMIC_SIZE:
             # NOTE: a one-row trace would specialise the batch dimension: bind the artifact
@@ -196,21 +198,3 @@ def draft_tensors(inputs: Sequence[torch.Tensor], ctx: ForwardContext,
         named.update({f"{prefix}param.{n}": p for n, p in module.named_parameters()})
         named.update({f"{prefix}buffer.{n}": b for n, b in module.named_buffers()})
     return named
-
-
-def draft_dynamic(named: dict[str, torch.Tensor], ctx: ForwardContext, batch: bool
-                  ) -> dict[str, tuple[int, ...]]:
-    """Dims traced symbolic: each KV cache's block count, each block table's width (cut at
-    each replay) and, with ``batch``, the leading (request) dim of the inputs and the
-    metadata."""
-    tables = {memory_identity(getattr(m, "common", m).block_table)
-              for m in ctx.attn_metadata.values()}
-    dims: dict[str, tuple[int, ...]] = {}
-    for name, t in named.items():
-        wide = t.dim() > 1 and t.shape[1] >= MIN_DYNAMIC_SIZE
-        if name.startswith("kv.") and wide:
-            dims[name] = (1,)
-        elif name.startswith(("input.", "meta.")):
-            dims[name] = ((0,) if batch else ()) + ((1,) if memory_identity(t) in tables
-                                                     and wide else ())
-    return {name: d for name, d in dims.items() if d}
