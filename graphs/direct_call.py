@@ -127,6 +127,8 @@ def load_wrapper(path: str, name: str) -> DirectCall:
 
     NOTE: every argument must be a tensor (``SizeTensors`` hands sizes over as 0-dim
     tensors); the generated ``call`` would convert ints, this one does not."""
+    if to_handles is None or from_handles is None:
+        raise ImportError("this torch has no torch._C._aoti handle conversions")
     module_name = f"{name}.{_WRAPPER_ENTRY}"
     module = sys.modules.get(module_name)
     if module is None:
