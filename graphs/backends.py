@@ -28,7 +28,8 @@ def resolve_graph_backend(name: str, device: torch.device) -> str:
 
 def make_capture_backend(name: str, device: torch.device,
                          poison_hook: Callable[[], None] | None,
-                         artifact_cache: ArtifactCache | None = None
+                         artifact_cache: ArtifactCache | None = None,
+                         compile_threads: int | None = None
                          ) -> EmulatedGraphBackend | CudaGraphBackend:
     name = resolve_graph_backend(name, device)
     if name == "cuda":
@@ -38,7 +39,7 @@ def make_capture_backend(name: str, device: torch.device,
     if name == "emulated":
         return EmulatedGraphBackend(poison_hook)
     if name == "compiled":
-        return CompiledGraphBackend(artifact_cache, poison_hook)
+        return CompiledGraphBackend(artifact_cache, poison_hook, compile_threads)
     raise ValueError(f"graph_backend {name!r} not in ('auto', 'cuda', 'emulated', 'compiled')")
 
 

@@ -31,6 +31,14 @@ logger = logging.getLogger(__name__)
 INDUCTOR_OPTIONS: dict[str, Any] = {"config_patches": {"cpp_wrapper": True}}
 
 
+def inductor_options(threads: int) -> dict[str, Any]:
+    """INDUCTOR_OPTIONS generating CPU kernels for ``threads`` threads: inductor writes the
+    count into each parallel loop it emits (``omp parallel num_threads(n)``), so the code
+    depends on it, and the compiling process need not run on that many."""
+    patches = {**INDUCTOR_OPTIONS.get("config_patches", {}), "cpp.threads": threads}
+    return {**copy.deepcopy(INDUCTOR_OPTIONS), "config_patches": patches}
+
+
 class CompiledGraph(ArtifactGraph):
     """An inductor artifact and the flat inputs it was traced with.
 
@@ -185,11 +193,12 @@ def trace_forward(fn: Callable[..., torch.Tensor], inputs: Sequence,
     return traced
 
 
-def compile_traced(traced: TracedGraph) -> Any:
-    """An inductor artifact of a traced forward: static shapes but the dims traced symbolic."""
+def compile_traced(traced: TracedGraph, threads: int) -> Any:
+    """An inductor artifact of a traced forward: static shapes but the dims traced symbolic,
+    its CPU kernels generated for ``threads`` threads."""
     return torch._inductor.standalone_compile(traced.gm, traced.inputs,
                                               dynamic_shapes="from_graph",
-                                              options=copy.deepcopy(INDUCTOR_OPTIONS))
+                                              options=inductor_options(threads))
 
 
 class CompiledGraphBackend(EmulatedGraphBackend):
@@ -205,9 +214,13 @@ class CompiledGraphBackend(EmulatedGraphBackend):
     name = "compiled"
 
     def __init__(self, cache: ArtifactCache | None = None,
-                 poison_hook: Callable[[], None] | None = None) -> None:
+                 poison_hook: Callable[[], None] | None = None,
+                 threads: int | None = None) -> None:
         super().__init__(poison_hook)
         self.cache = cache
+        # threads the CPU kernels are generated for (part of the key): the serving
+        # process's, also when a one-thread subprocess compiles them
+        self.threads = threads or torch.get_num_threads()
         # key -> (artifact, or None when loaded as its wrapper library alone; input names)
         self.artifacts: dict[str, tuple[Any, list[str]]] = {}
         self.direct_calls: dict[str, DirectCall | None] = {}   # see direct_call
@@ -215,7 +228,8 @@ class CompiledGraphBackend(EmulatedGraphBackend):
     def key(self, named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]],
             graph_key: dict[str, Any]) -> str:
         base = self.cache.model_key if self.cache is not None else {}
-        return artifact_key(base, {**graph_key, "options": INDUCTOR_OPTIONS}, named, dynamic)
+        return artifact_key(base, {**graph_key, "options": inductor_options(self.threads)},
+                            named, dynamic)
 
     def has_artifact(self, key: str) -> bool:
         """Built in this process, or in the disk cache (capture then binds, no compile)."""
@@ -244,7 +258,7 @@ class CompiledGraphBackend(EmulatedGraphBackend):
                 graph.load_s = time.perf_counter() - start
                 return graph
         traced = trace_forward(fn, inputs, named, dynamic)
-        artifact = compile_traced(traced)
+        artifact = compile_traced(traced, self.threads)
         compile_s = time.perf_counter() - start
         logger.info("compiled a graph of %d inputs in %.1f s", len(traced.inputs), compile_s)
         names = input_names(traced.inputs, traced.sizes, named)
@@ -284,7 +298,7 @@ class CompiledGraphBackend(EmulatedGraphBackend):
             return *known, None
         start = time.perf_counter()
         traced = trace_forward(fn, inputs, named, dynamic, ranges)
-        artifact = compile_traced(traced)
+        artifact = compile_traced(traced, self.threads)
         compile_s = time.perf_counter() - start
         names = input_names(traced.inputs, traced.sizes, named)
         if names is None:

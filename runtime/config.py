@@ -73,8 +73,12 @@ class CompilationConfig:
     graph_startup: str = "auto"
     # compiled CPU graphs: one artifact per decoder-layer kind, called once per layer
     # (compile ~25 s for SmolLM2's whole ladder), or False: the whole forward in one artifact
-    # (~6 min cold, ~10% faster at 1 request under load; see README)
+    # (~6 min cold, no faster: decode steps 0.998x at 1 request, 0.991x at 8; see README)
     per_layer_graphs: bool = True
+    # compiled CPU graphs: the threads their kernels are generated for (part of the cache
+    # key); None -> torch.get_num_threads() of the engine. A background compile's subprocess
+    # runs on one thread and is handed the serving engine's count.
+    compile_threads: int | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> CompilationConfig:
@@ -96,6 +100,10 @@ class CompilationConfig:
         if cap is not None and (not _is_int(cap) or cap < 1):
             raise ValueError(f"compilation_config max_cudagraph_capture_size={cap!r} must be "
                              "a positive integer")
+        threads = raw.get("compile_threads")
+        if threads is not None and (not _is_int(threads) or threads < 1):
+            raise ValueError(f"compilation_config compile_threads={threads!r} must be a "
+                             "positive integer")
         return cls(**raw)
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import rung.graphs.compiled as compiled_graphs
 from rung.graphs.direct_call import SizeTensors
@@ -168,6 +169,14 @@ def test_engines_that_differ_in_kv_and_batch_limits_share_the_artifact(tmp_path)
     assert second.engine.stats()["graph_replays"].get("FULL:2", 0) > 0
     # one decoder-layer kind and one epilogue (tiny-llama's untied head has no row branch)
     assert len(list(tmp_path.glob("compiled/*/artifact.bin"))) == 2
+    # inductor writes the thread count into the kernels it generates: an engine replaying
+    # on another count compiles its own (a one-thread prefetch subprocess compiles for the
+    # serving engine's count instead, test_graph_startup)
+    threads = {**sizes, "compile_threads": torch.get_num_threads() + 1}
+    third = LLM("tiny-llama", compilation_config=threads, **other)
+    [record] = third.engine.runner.graphs.records
+    assert record.compile_s is not None
+    assert len(list(tmp_path.glob("compiled/*/artifact.bin"))) == 4
 
 
 def test_second_start_with_mtp_loads_the_verify_graph(tmp_path):

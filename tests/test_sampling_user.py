@@ -117,6 +117,7 @@ def test_bad_sampling_params(kwargs, match):
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 100}},
      "from 1 to 16"),
     ({"compilation_config": {"max_cudagraph_capture_size": 0}}, "max_cudagraph_capture_size"),
+    ({"compilation_config": {"compile_threads": 0}}, "compile_threads=0 must be a positive"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is unsupported"),
     ({"trust_remote_code": True}, "trust_remote_code=True is unsupported"),
     ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization=1.5 must be a number in \(0, 1\]")])

@@ -114,7 +114,8 @@ def make_graph_manager(runner: ModelRunner, config: EngineConfig) -> GraphManage
     cache = _artifact_cache(runner, config) if compiled else None
     _warn_if_batches_run_eagerly(sizes, config)
     graphs = GraphManager(runner, comp.cudagraph_mode, sizes, 1 + config.num_spec_tokens,
-                          comp.backend, comp.graph_backend, config.debug_padding, cache)
+                          comp.backend, comp.graph_backend, config.debug_padding, cache,
+                          comp.compile_threads)
     graphs.per_layer = comp.per_layer_graphs
     return graphs
 
