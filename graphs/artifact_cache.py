@@ -66,7 +66,6 @@ def source_hash() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-@functools.lru_cache(maxsize=1)
 def prepare_inductor() -> threading.Event:
     """Import inductor and do what it does once per process before it loads an artifact
     (pick the CPU's vector ISA: a probe built per ISA in subprocesses; hash torch's own
@@ -92,11 +91,12 @@ def _prepare_inductor(done: threading.Event) -> None:
         done.set()       # NOTE: a failure shows at the bind, as without this
 
 
-def holds_loadable_build(root: Path) -> bool:
-    """Whether the disk cache under ``root`` holds an entry that this torch and this rung
-    source built, with a wrapper library this machine loads without inductor: a start
-    that will most likely load its graphs rather than compile them. Any model's entry
-    counts (which model an entry serves is known only once the model is loaded)."""
+def holds_loadable_build(root: Path, origin: str) -> bool:
+    """Whether the disk cache under ``root`` holds an entry of the model ``origin`` (as the
+    user named it: preset, file or folder) that this torch and this rung source built, with
+    a wrapper library this machine loads without inductor: a start that will most likely
+    load its graphs rather than compile them. Read before the model is loaded, so by name:
+    the key's model config is not known yet."""
     build = {"torch": torch.__version__, "rung_source": source_hash()}
     machine = machine_signature()
     for path in (Path(root) / "compiled").glob("*/meta.json"):
@@ -105,8 +105,8 @@ def holds_loadable_build(root: Path) -> bool:
         except (OSError, ValueError):
             continue
         model, wrapper = meta.get("model") or {}, meta.get("wrapper") or {}
-        if all(model.get(k) == v for k, v in build.items()) and \
-                wrapper.get("machine") == machine:
+        if meta.get("origin") == origin and wrapper.get("machine") == machine and \
+                all(model.get(k) == v for k, v in build.items()):
             return True
     return False
 
@@ -167,9 +167,11 @@ def bind_inputs(names: list[str], named: dict[str, torch.Tensor]
 class ArtifactCache:
     """Compiled graphs of one model configuration under ``root``."""
 
-    def __init__(self, root: Path, model_key: dict[str, Any]) -> None:
+    def __init__(self, root: Path, model_key: dict[str, Any], origin: str | None = None
+                 ) -> None:
         self.root = Path(root) / "compiled"
         self.model_key = {**model_key, "torch": torch.__version__, "rung_source": source_hash()}
+        self.origin = origin     # the model as the user named it: meta only, never the key
 
     def key(self, graph_key: dict[str, Any], named: dict[str, torch.Tensor],
             dynamic: dict[str, tuple[int, ...]]) -> str:
@@ -241,7 +243,7 @@ class ArtifactCache:
         tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=".tmp-"))
         try:
             artifact.save(path=str(tmp / "artifact.bin"), format="binary")
-            meta = {"input_names": names, "model": self.model_key}
+            meta = {"input_names": names, "model": self.model_key, "origin": self.origin}
             if wrapper is not None:
                 # NOTE: named after its content: a process that loaded one library never
                 # gets it again for a rebuilt one (a loaded module and its path are cached)

@@ -111,3 +111,30 @@ def test_the_gpu_checks_live_switch_stage_decodes_through_every_switch(tmp_path,
     assert {"FULL:1", "FULL:2", "FULL:4"} <= set(got["live"])
     assert sorted(s["went_live"] for s in got["switch_steps"]) == [[g] for g in sorted(got["live"])]
     assert "tokens match enforce_eager" in capsys.readouterr().out
+
+
+def test_a_cache_of_another_model_does_not_pass_for_a_warm_one(tmp_path):
+    """A blocking start prepares inductor beside the model load unless the cache looks
+    warm for THIS model (seconds of its cold compile otherwise): entries of another model,
+    torch or machine do not count."""
+    import torch
+
+    from rung.graphs.artifact_cache import holds_loadable_build, machine_signature, source_hash
+
+    def entry(name: str, origin: str, torch_version: str = torch.__version__,
+              machine: str = machine_signature()) -> None:
+        folder = tmp_path / "compiled" / name
+        folder.mkdir(parents=True)
+        meta = {"input_names": [], "origin": origin,
+                "wrapper": {"file": "w.so", "machine": machine},
+                "model": {"torch": torch_version, "rung_source": source_hash()}}
+        (folder / "meta.json").write_text(json.dumps(meta))
+
+    assert not holds_loadable_build(tmp_path, "tiny-llama")            # no cache at all
+    entry("a", "smollm2-135m")
+    entry("b", "tiny-llama", torch_version="0.0.1")
+    entry("c", "tiny-llama", machine="another-cpu")
+    assert not holds_loadable_build(tmp_path, "tiny-llama")
+    assert holds_loadable_build(tmp_path, "smollm2-135m")
+    entry("d", "tiny-llama")
+    assert holds_loadable_build(tmp_path, "tiny-llama")

@@ -46,7 +46,7 @@ def load_target(config: EngineConfig) -> tuple[LoadedModel, int]:
     if config.compilation.graph_startup == "blocking" and not config.enforce_eager and \
             resolve_graph_backend(config.compilation.graph_backend,
                                   torch.device(config.device)) == "compiled" and \
-            (cache_dir is None or not holds_loadable_build(cache_dir)):
+            (cache_dir is None or not holds_loadable_build(cache_dir, str(config.model))):
         prepare_inductor()
     loaded = load_model(config.model, config.dtype, str(config.device), config.load_format,
                         quantization=config.quantization, cache_dir=cache_dir)
@@ -69,7 +69,8 @@ def _artifact_cache(runner: ModelRunner, config: EngineConfig) -> ArtifactCache 
         return None
     model = runner.model
     return ArtifactCache(root, {"model_class": type(model).__name__, "dtype": str(config.dtype),
-                                "model_config": getattr(model, "config", None)})
+                                "model_config": getattr(model, "config", None)},
+                         origin=str(config.model))
 
 
 def _cache_dir(config: EngineConfig) -> Path | None:
