@@ -154,9 +154,13 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
         graph, loaded = _bind_layers(backend, inputs, parts, ctx, specs)
         try:
             mismatches: list[str] = []
-            with _one_thread():
+            # NOTE: eager beside the artifacts only where these run on one thread: an
+            # artifact generated for more waits at each parallel loop's barrier for a core
+            # the eager thread holds (SmolLM2 at 2 threads: ~10x the layer's time)
+            overlap = backend.threads == 1
+            with _one_thread() if overlap else contextlib.nullcontext():
                 with _Teacher(parts, inputs[0], inputs[1], _eager_context(ctx),
-                              mismatches) as teacher:
+                              mismatches, overlap) as teacher:
                     graph.outputs = graph._run(inputs[0][:0], teacher).hidden
                 _check_epilogues(graph, parts, teacher.last(), mismatches)
             ok = not mismatches
@@ -190,18 +194,19 @@ class _Teacher:
     input, each layer holds rtol 1e-3, atol 1e-4 (SmolLM2, sizes 1-16: the worst element
     used 0.71 of it in Q4_1, 0.40 in fp32).
 
-    NOTE: the eager layers run in a thread, one layer ahead of the artifacts: both release
-    the GIL in their kernels, so on two cores a check costs about the longer of the two
-    forwards, not their sum. Eager layer m never runs beside artifact m (``teach(m - 1)``
-    returns once eager layer m is done), nor beside artifact m - 1 when the two layers share
-    a KV cache (each writes the capture batch's pad slot, values that differ in the last
-    bits). The thread alone enters the eager forward context; artifacts read none.
+    NOTE: with ``overlap`` the eager layers run in a thread, one layer ahead of the
+    artifacts: both release the GIL in their kernels, so on two cores a check costs about
+    the longer of the two forwards, not their sum. Eager layer m never runs beside artifact
+    m (``teach(m - 1)`` returns once eager layer m is done), nor beside artifact m - 1 when
+    the two layers share a KV cache (each writes the capture batch's pad slot, values that
+    differ in the last bits). The eager layers alone enter the eager forward context;
+    artifacts read none. Without ``overlap``, eager layer m runs after artifact m returned.
     """
 
     def __init__(self, parts: DecoderParts, ids: torch.Tensor, positions: torch.Tensor,
-                 ctx: ForwardContext, mismatches: list[str]) -> None:
+                 ctx: ForwardContext, mismatches: list[str], overlap: bool = True) -> None:
         self.parts, self.ids, self.positions, self.ctx = parts, ids, positions, ctx
-        self.mismatches = mismatches
+        self.mismatches, self.overlap = mismatches, overlap
         num_layers = len(parts.layers)
         self._expected: list[torch.Tensor | None] = [None] * num_layers
         self._eager_done = [threading.Event() for _ in range(num_layers)]
@@ -213,6 +218,7 @@ class _Teacher:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stopped = False
+        self._ropes: dict[str, tuple] = {}     # layer type -> (rotary, cos, sin)
 
     def __enter__(self) -> "_Teacher":
         return self
@@ -227,12 +233,15 @@ class _Teacher:
     def __call__(self, n: int, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Artifact ``n`` returned ``out``: the eager layer's output, once eager layer
         ``n + 1`` is done too (artifact ``n + 1`` runs next)."""
-        if self._thread is None:      # NOTE: started once artifact 0 is done (see above)
-            self._thread = threading.Thread(target=self._run_eager, daemon=True,
-                                            name="rung-capture-check")
-            self._thread.start()
         self._artifact_done[n].set()
-        self._eager_done[min(n + 1, len(self._expected) - 1)].wait()
+        if not self.overlap:
+            self._run_eager(n)
+        else:
+            if self._thread is None:  # NOTE: started once artifact 0 is done (see above)
+                self._thread = threading.Thread(target=self._run_eager, daemon=True,
+                                                name="rung-capture-check")
+                self._thread.start()
+            self._eager_done[min(n + 1, len(self._expected) - 1)].wait()
         if self._error is not None:
             raise self._error
         expected = self._expected[n]
@@ -248,30 +257,33 @@ class _Teacher:
             raise RuntimeError("the capture check has not run the eager layers")
         return expected
 
-    def _run_eager(self) -> None:
+    def _run_eager(self, only: int | None = None) -> None:
+        """The eager layers in order (on the checking thread: layer ``only`` alone)."""
         parts = self.parts
         inference, grad = self._modes     # NOTE: both are per thread in torch
+        layers = range(len(parts.layers)) if only is None else (only,)
         try:
             with torch.inference_mode(inference), torch.set_grad_enabled(grad), \
                     forward_context(self.ctx):
-                hidden = parts.embed(self.ids)                           # [T, H]
-                ropes: dict[str, tuple] = {}
-                for m, layer in enumerate(parts.layers):
+                hidden = parts.embed(self.ids) if layers[0] == 0 else self._expected[layers[0] - 1]
+                for m in layers:
+                    layer = parts.layers[m]
                     if self._shares_kv[m]:
                         self._artifact_done[m - 1].wait()
                     if self._stopped:
                         return
-                    if layer.layer_type not in ropes:
+                    if layer.layer_type not in self._ropes:
                         rotary = parts.rotaries[layer.layer_type]
-                        ropes[layer.layer_type] = (rotary, *rotary.cos_sin(self.positions,
-                                                                            hidden.dtype))
-                    hidden = self._expected[m] = layer(ropes[layer.layer_type], hidden)
+                        self._ropes[layer.layer_type] = (
+                            rotary, *rotary.cos_sin(self.positions, hidden.dtype))
+                    hidden = self._expected[m] = layer(self._ropes[layer.layer_type], hidden)
                     self._eager_done[m].set()
         except BaseException as e:  # noqa: BLE001 - raised on the checking thread
             self._error = e
         finally:
-            for event in self._eager_done:
-                event.set()
+            if only is None or self._error is not None:
+                for event in self._eager_done:
+                    event.set()
 
 
 def _check_epilogues(graph: LayeredGraph, parts: DecoderParts, hidden: torch.Tensor,

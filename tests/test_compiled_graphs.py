@@ -13,6 +13,7 @@ import torch
 
 import rung.graphs.compiled as compiled_graphs
 from rung.graphs.direct_call import SizeTensors
+from rung.models.llama import LlamaDecoderLayer
 from rung.runtime import LLM, SamplingParams
 
 
@@ -147,6 +148,29 @@ def test_second_start_loads_and_a_corrupt_entry_is_rebuilt(tmp_path):
     assert _tokens(third, 2) == want
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_cached_artifact_that_disagrees_with_eager_is_rebuilt(tmp_path, monkeypatch, threads):
+    """A size goes live only once every layer's artifact reproduced the eager layer on the
+    capture batch: the cached artifact of a layer that now computes something else (same
+    key: rung's source hash reads its files, not this patch) is dropped and compiled again.
+    The check runs eager beside one-thread artifacts, and after each layer of two-thread
+    ones (they would wait for the core eager holds)."""
+    config = {"cudagraph_mode": "full_decode_only", "cudagraph_capture_sizes": [2],
+              "graph_backend": "compiled", "cache_dir": str(tmp_path),
+              "graph_startup": "blocking", "compile_threads": threads}
+    first = LLM("tiny-llama", compilation_config=config, **KWARGS)
+    [record] = first.engine.runner.graphs.records
+    assert record.compile_s is not None
+    forward = LlamaDecoderLayer.forward
+    monkeypatch.setattr(LlamaDecoderLayer, "forward",
+                        lambda self, rope, hidden: forward(self, rope, hidden) * 1.01)
+    second = LLM("tiny-llama", compilation_config=config, **KWARGS)
+    [record] = second.engine.runner.graphs.records
+    assert record.compile_s is not None and record.load_s is None    # the entry went unused
+    assert _tokens(second, 2) == _tokens(LLM("tiny-llama", enforce_eager=True, **KWARGS), 2)
+    assert second.engine.stats()["graph_replays"].get("FULL:2", 0) > 0
+
+
 def test_engines_that_differ_in_kv_and_batch_limits_share_the_artifact(tmp_path):
     """The cache key holds what the compiled code depends on: another max_num_seqs,
     max_model_len or KV cache size (a benchmark's --output-len) loads, never recompiles."""
@@ -251,7 +275,7 @@ def test_mtp_drafter_graphs_are_compiled_rounds_with_eager_tokens(tmp_path):
 def test_logits_from_the_graph_match_eager_either_side_of_the_transposed_head(monkeypatch):
     """A per-layer FULL graph ends in the final norm and the lm head (its epilogue), and
     the runner samples from its logits. tiny-qwen3's tied head takes its W^T copy up to
-    MAX_ROWS_TRANSPOSED_HEAD rows and F.linear past it: one size-8 graph replays 3 and 6
+    MAX_ROWS_TRANSPOSED_HEAD rows and the tall GEMM past it: one size-8 graph replays 3 and 6
     requests, one on each side, with eager's tokens and logprobs; with the W^T copy
     negated (in both engines) they still agree, so each side reads the weights eager's
     branch reads."""
@@ -271,7 +295,7 @@ def test_logits_from_the_graph_match_eager_either_side_of_the_transposed_head(mo
         if negated:
             for llm in (compiled, eager):
                 llm.engine.runner.model.lm_head.weight_t.neg_()
-        for num_reqs in (3, 6):                 # MAX_ROWS_TRANSPOSED_HEAD is 4
+        for num_reqs in (3, 6):                 # MAX_ROWS_TRANSPOSED_HEAD is 3
             prompts = [{"prompt_token_ids": [1, 7 + i, 9, 200 + i]} for i in range(num_reqs)]
             got = compiled.generate(prompts, params)
             want = eager.generate(prompts, params)
