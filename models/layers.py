@@ -199,16 +199,22 @@ def pretranspose_linear_weights(model: nn.Module) -> int:
     return changed
 
 
-# NOTE: MKL (1 thread, AVX2) runs x @ W^T(contiguous) as a GEMV about 2x faster than
-# F.linear(x, W) for 1-2 rows, and about 25% slower from 8 rows on (SmolLM2's 49152 x 576
-# head: 18 vs 30 ms at 1 row, 128 vs 98 ms at 8).
-MAX_ROWS_TRANSPOSED_HEAD = 4
+# NOTE: MKL (1 thread, AVX2) on SmolLM2's 49152 x 576 tied head, ms at 1 / 2 / 3 / 4 / 8 /
+# 16 / 64 / 256 rows (``python -m rung.bench.head_kernels``, interleaved, load 0.7):
+#   x @ W^T(contiguous)          9.9 / 19.4 / 28.5 / 57.8 / 73.1 / 79.5 / 138 / 383
+#   F.linear(x, W)              17.2 / 40.4 / 51.9 / 42.5 / 55.5 / 59.0 / 124 / 366
+#   (W @ x^T)^T, a tall GEMM    18.0 / 22.4 / 24.9 / 20.7 / 36.3 / 54.8 / 115 / 376
+# The tall GEMM streams the weight once for every row count; x @ W^T is a GEMV at 1 row.
+# NOTE: 3, not 2: the compiled epilogue of rows 1-2 does not stay symbolic (torch 2.13's
+# inductor specialised it to its 2-row example), and 3 rows lose only 3.6 ms.
+MAX_ROWS_TRANSPOSED_HEAD = 3
 MAX_TRANSPOSED_HEAD_NUMEL = 1 << 25      # the copy costs memory: 128 MiB in fp32 at most
 
 
 def lm_head_logits(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden [num_rows, hidden] -> logits [num_rows, vocab] fp32 through ``head``, or its
-    W^T copy (``weight_t``, see ``pretranspose_linear_weights``) for a few rows."""
+    """hidden [num_rows, hidden] -> logits [num_rows, vocab] fp32 through ``head``: its
+    W^T copy (``weight_t``, see ``pretranspose_linear_weights``) for a few rows, else a
+    row-major weight as the tall GEMM W @ hidden^T (the table above)."""
     if isinstance(head, QuantLinear):
         return head(hidden).float()
     weight_t = getattr(head, "weight_t", None)
@@ -216,6 +222,9 @@ def lm_head_logits(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         return hidden.to(weight_t.dtype) @ weight_t      # an fp32 head under int4 layers
     if weight_t is not None and hidden.shape[0] <= MAX_ROWS_TRANSPOSED_HEAD:
         return (hidden @ weight_t).float()
+    weight = head.weight
+    if head.bias is None and weight.is_contiguous() and weight.dtype == hidden.dtype:
+        return (weight @ hidden.t()).t().contiguous().float()
     return head(hidden).float()
 
 
