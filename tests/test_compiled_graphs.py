@@ -83,6 +83,8 @@ def test_cpp_wrapper_layers_called_directly_match_eager(monkeypatch):
 
 _WARM_START = """
 import json, sys
+import torch
+torch.set_num_threads(int(sys.argv[3]))   # the kernels' thread count is part of the key
 from rung.runtime import LLM, SamplingParams
 llm = LLM("tiny-llama", compilation_config={"cudagraph_mode": "full_decode_only",
           "cudagraph_capture_sizes": [1, 2], "graph_backend": "compiled",
@@ -112,7 +114,8 @@ def test_a_warm_start_loads_the_cpp_wrapper_without_inductor(tmp_path, monkeypat
     assert len(entries) == 2 and len(list(tmp_path.glob("compiled/*/wrapper-*.so"))) == 2
     want = _tokens(LLM("tiny-llama", enforce_eager=True, **KWARGS), 2)
     proc = subprocess.run([sys.executable, "-c", _WARM_START, str(tmp_path),
-                           json.dumps(PROMPTS[:2])], capture_output=True, text=True,
+                           json.dumps(PROMPTS[:2]), str(torch.get_num_threads())],
+                          capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     warm = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -140,8 +143,13 @@ def test_second_start_loads_and_a_corrupt_entry_is_rebuilt(tmp_path):
     [record] = second.engine.runner.graphs.records
     assert record.compile_s is None and record.load_s > 0
     assert _tokens(second, 2) == want
-    [artifact] = tmp_path.glob("compiled/*/artifact.bin")
-    artifact.write_bytes(b"not an artifact")
+    # every entry (the layer kind, the epilogue) corrupt: its wrapper library, if it has
+    # one, does not load, nor does the artifact inductor would load instead
+    entries = list(tmp_path.glob("compiled/*/meta.json"))
+    assert len(entries) == 2
+    for entry in entries:
+        for built in [*entry.parent.glob("wrapper-*.so"), entry.parent / "artifact.bin"]:
+            built.write_bytes(b"not an artifact")
     third = _compiled("tiny-llama", [2], str(tmp_path))
     [record] = third.engine.runner.graphs.records
     assert record.compile_s > 0 and record.load_s is None     # rebuilt, never used

@@ -5,6 +5,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from rung.runtime import LLM, SamplingParams
 from rung.server.engine_loop import IDLE_GRAPH_POLL_S
@@ -65,10 +66,20 @@ def test_graph_startup_is_checked():
         LLM("tiny-llama", compilation_config={"graph_startup": "lazy"}, **KWARGS)
 
 
+@pytest.fixture
+def two_torch_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
-def test_compiled_graphs_build_in_a_subprocess_while_eager_serves(tmp_path, monkeypatch):
+def test_compiled_graphs_build_in_a_subprocess_while_eager_serves(tmp_path, monkeypatch,
+                                                                   two_torch_threads):
     """The CPU default: artifacts compile in a subprocess into the disk cache; the serving
-    engine binds each one (checked against eager) between steps.
+    engine binds each one (checked against eager) between steps. The engine runs on two
+    threads and the subprocess on one, which must generate (and key) the kernels for two.
 
     NOTE: the subprocess compiles with the default INDUCTOR_OPTIONS (part of the key), so
     this test cannot switch to the faster Python wrapper as other compiled tests do.
@@ -117,8 +128,6 @@ def test_a_cache_of_another_model_does_not_pass_for_a_warm_one(tmp_path):
     """A blocking start prepares inductor beside the model load unless the cache looks
     warm for THIS model (seconds of its cold compile otherwise): entries of another model,
     torch or machine do not count."""
-    import torch
-
     from rung.graphs.artifact_cache import holds_loadable_build, machine_signature, source_hash
 
     def entry(name: str, origin: str, torch_version: str = torch.__version__,
