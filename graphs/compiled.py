@@ -1,11 +1,7 @@
-"""CPU graphs that are really compiled: one static-shape inductor artifact per ladder size.
-
-The CPU analogue of a CUDA graph: at capture, dynamo traces the whole forward once with
-attention inlined as torch ops (``ForwardContext.inline_attention``), and inductor compiles
-that graph for exactly the capture's shapes. Replay calls the artifact on the very tensors
-it was traced with (weights, KV caches, and views of the persistent input buffers), so no
-guard is evaluated and nothing is re-traced per step.
-"""
+"""CPU graphs that are really compiled, the CPU analogue of a CUDA graph: inductor artifacts
+of the forward (or of one decoder layer: ``graphs.layered``) traced with attention inlined
+(``ForwardContext.inline_attention``), replayed on the very tensors they were traced with
+(weights, KV caches, input buffer views): no guard is evaluated, nothing is re-traced."""
 
 from __future__ import annotations
 
@@ -32,9 +28,8 @@ INDUCTOR_OPTIONS: dict[str, Any] = {"config_patches": {"cpp_wrapper": True}}
 
 
 def inductor_options(threads: int) -> dict[str, Any]:
-    """INDUCTOR_OPTIONS generating CPU kernels for ``threads`` threads: inductor writes the
-    count into each parallel loop it emits (``omp parallel num_threads(n)``), so the code
-    depends on it, and the compiling process need not run on that many."""
+    """INDUCTOR_OPTIONS generating CPU kernels for ``threads`` threads (inductor writes the
+    count into each parallel loop: ``omp parallel num_threads(n)``), whoever compiles."""
     patches = {**INDUCTOR_OPTIONS.get("config_patches", {}), "cpp.threads": threads}
     return {**copy.deepcopy(INDUCTOR_OPTIONS), "config_patches": patches}
 
@@ -218,8 +213,7 @@ class CompiledGraphBackend(EmulatedGraphBackend):
                  threads: int | None = None) -> None:
         super().__init__(poison_hook)
         self.cache = cache
-        # threads the CPU kernels are generated for (part of the key): the serving
-        # process's, also when a one-thread subprocess compiles them
+        # threads the CPU kernels are generated for (in the key): the serving engine's
         self.threads = threads or torch.get_num_threads()
         # key -> (artifact, or None when loaded as its wrapper library alone; input names)
         self.artifacts: dict[str, tuple[Any, list[str]]] = {}
