@@ -231,8 +231,8 @@ class _Teacher:
             self._thread.join()
 
     def __call__(self, n: int, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Artifact ``n`` returned ``out``: the eager layer's output, once eager layer
-        ``n + 1`` is done too (artifact ``n + 1`` runs next)."""
+        """Artifact ``n`` returned ``out``: the eager layer's output (with ``overlap``, once
+        eager layer ``n + 1`` is done too: artifact ``n + 1`` runs next)."""
         self._artifact_done[n].set()
         if not self.overlap:
             self._run_eager(n)

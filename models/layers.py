@@ -213,8 +213,8 @@ MAX_TRANSPOSED_HEAD_NUMEL = 1 << 25      # the copy costs memory: 128 MiB in fp3
 
 def lm_head_logits(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [num_rows, hidden] -> logits [num_rows, vocab] fp32 through ``head``: its
-    W^T copy (``weight_t``, see ``pretranspose_linear_weights``) for a few rows, else a
-    row-major weight as the tall GEMM W @ hidden^T (the table above)."""
+    W^T copy (``weight_t``, see ``pretranspose_linear_weights``) for a few rows, else on
+    CPU a row-major weight as the tall GEMM W @ hidden^T (the table above)."""
     if isinstance(head, QuantLinear):
         return head(hidden).float()
     weight_t = getattr(head, "weight_t", None)
@@ -223,7 +223,8 @@ def lm_head_logits(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     if weight_t is not None and hidden.shape[0] <= MAX_ROWS_TRANSPOSED_HEAD:
         return (hidden @ weight_t).float()
     weight = head.weight
-    if head.bias is None and weight.is_contiguous() and weight.dtype == hidden.dtype:
+    if hidden.device.type == "cpu" and head.bias is None and weight.is_contiguous() and \
+            weight.dtype == hidden.dtype:      # NOTE: measured for MKL only
         return (weight @ hidden.t()).t().contiguous().float()
     return head(hidden).float()
 
