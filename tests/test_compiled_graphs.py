@@ -156,7 +156,9 @@ def test_second_start_loads_and_a_corrupt_entry_is_rebuilt(tmp_path):
     assert _tokens(third, 2) == want
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+# NOTE: the suite runs on one torch thread (conftest), so every other compiled test checks
+# one-thread artifacts beside eager already; the one-thread case here is slow
+@pytest.mark.parametrize("threads", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_a_cached_artifact_that_disagrees_with_eager_is_rebuilt(tmp_path, monkeypatch, threads):
     """A size goes live only once every layer's artifact reproduced the eager layer on the
     capture batch: the cached artifact of a layer that now computes something else (same
