@@ -188,12 +188,12 @@ def trace_forward(fn: Callable[..., torch.Tensor], inputs: Sequence,
     return traced
 
 
-def compile_traced(traced: TracedGraph, threads: int) -> Any:
+def compile_traced(traced: TracedGraph, options: dict[str, Any]) -> Any:
     """An inductor artifact of a traced forward: static shapes but the dims traced symbolic,
-    its CPU kernels generated for ``threads`` threads."""
+    compiled with ``options`` (``inductor_options``)."""
     return torch._inductor.standalone_compile(traced.gm, traced.inputs,
                                               dynamic_shapes="from_graph",
-                                              options=inductor_options(threads))
+                                              options=copy.deepcopy(options))
 
 
 class CompiledGraphBackend(EmulatedGraphBackend):
@@ -215,6 +215,7 @@ class CompiledGraphBackend(EmulatedGraphBackend):
         self.cache = cache
         # threads the CPU kernels are generated for (in the key): the serving engine's
         self.threads = threads or torch.get_num_threads()
+        self.options = inductor_options(self.threads)
         # key -> (artifact, or None when loaded as its wrapper library alone; input names)
         self.artifacts: dict[str, tuple[Any, list[str]]] = {}
         self.direct_calls: dict[str, DirectCall | None] = {}   # see direct_call
@@ -222,8 +223,7 @@ class CompiledGraphBackend(EmulatedGraphBackend):
     def key(self, named: dict[str, torch.Tensor], dynamic: dict[str, tuple[int, ...]],
             graph_key: dict[str, Any]) -> str:
         base = self.cache.model_key if self.cache is not None else {}
-        return artifact_key(base, {**graph_key, "options": inductor_options(self.threads)},
-                            named, dynamic)
+        return artifact_key(base, {**graph_key, "options": self.options}, named, dynamic)
 
     def has_artifact(self, key: str) -> bool:
         """Built in this process, or in the disk cache (capture then binds, no compile)."""
@@ -252,7 +252,7 @@ class CompiledGraphBackend(EmulatedGraphBackend):
                 graph.load_s = time.perf_counter() - start
                 return graph
         traced = trace_forward(fn, inputs, named, dynamic)
-        artifact = compile_traced(traced, self.threads)
+        artifact = compile_traced(traced, self.options)
         compile_s = time.perf_counter() - start
         logger.info("compiled a graph of %d inputs in %.1f s", len(traced.inputs), compile_s)
         names = input_names(traced.inputs, traced.sizes, named)
@@ -292,7 +292,7 @@ class CompiledGraphBackend(EmulatedGraphBackend):
             return *known, None
         start = time.perf_counter()
         traced = trace_forward(fn, inputs, named, dynamic, ranges)
-        artifact = compile_traced(traced, self.threads)
+        artifact = compile_traced(traced, self.options)
         compile_s = time.perf_counter() - start
         names = input_names(traced.inputs, traced.sizes, named)
         if names is None:

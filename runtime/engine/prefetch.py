@@ -16,8 +16,6 @@ import tempfile
 import weakref
 from typing import Any
 
-import torch
-
 # NOTE: the artifact key holds no KV size: a KV cache of a few blocks compiles the same code
 _PREFETCH_KV_BLOCKS = 4
 
@@ -57,14 +55,14 @@ def _stop(proc: subprocess.Popen, config_path: str) -> None:
         pass
 
 
-def start_prefetch(config: Any, max_model_len: int) -> SubprocessPrefetch:
-    """Compile ``config``'s graphs in a subprocess (same ladder, same cache dir)."""
-    # NOTE: the subprocess runs on one thread but generates the kernels (and keys them)
-    # for the threads of the engine that will replay them
+def start_prefetch(config: Any, max_model_len: int, compile_threads: int
+                   ) -> SubprocessPrefetch:
+    """Compile ``config``'s graphs in a subprocess (same ladder, same cache dir).
+
+    NOTE: the subprocess runs on one thread but generates the kernels (and keys them) for
+    ``compile_threads``, the count of the engine that will replay them."""
     comp = dataclasses.replace(config.compilation, graph_startup="blocking",
-                               graph_backend="compiled",
-                               compile_threads=config.compilation.compile_threads
-                               or torch.get_num_threads())
+                               graph_backend="compiled", compile_threads=compile_threads)
     build = dataclasses.replace(config, compilation=comp, max_model_len=max_model_len,
                                 num_gpu_blocks_override=_PREFETCH_KV_BLOCKS,
                                 debug_padding=False, enforce_eager=False)

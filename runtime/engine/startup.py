@@ -169,7 +169,7 @@ class GraphStartup:
         # The first size missing one ends the look (a cold start pays one key, ~30 ms).
         if startup == "background" and getattr(graphs.capture_backend, "cache", None) is not None \
                 and not all(map(graphs.is_ready, graphs.dispatcher.capture_descriptors())):
-            prefetch = start_prefetch(config, max_model_len)
+            prefetch = start_prefetch(config, max_model_len, graphs.capture_backend.threads)
         self.builder = GraphBuilder(graphs, after, progress, prefetch)
         # NOTE: a plain flag, read before every step: once all is live, a step pays one
         # attribute read here, no call into the builder
