@@ -16,6 +16,7 @@ from rung.runtime.config import (
     CompilationConfig,
     EngineConfig,
     SpeculativeConfig,
+    default_max_num_seqs,
     parse_device,
     parse_dtype,
 )
@@ -28,7 +29,7 @@ from rung.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 class LLM:
     def __init__(self, model: str, dtype: str | torch.dtype = "auto", device: str = "auto",
-                 seed: int = 0, max_num_seqs: int = 256, max_model_len: int | None = None,
+                 seed: int = 0, max_num_seqs: int | None = None, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  enforce_eager: bool = False,
                  compilation_config: dict[str, Any] | None = None,
@@ -48,8 +49,12 @@ class LLM:
         same prompts to `generate`, which runs each rank's share (``data_parallel_routing``:
         round_robin or least_tokens) and returns every output on every rank.
 
-        ``gpu_memory_utilization``: the share of free device memory (CUDA) or of RAM (CPU)
-        the KV cache may take. ``tensor_parallel_size`` > 1 and ``trust_remote_code`` are
+        ``max_num_seqs``: None -> 256 on CUDA, 16 on CPU (a CPU step's cost grows with its
+        batch, and each ladder size costs a compile at start-up).
+        ``gpu_memory_utilization``: the share of free device memory the KV cache may take on
+        CUDA; ignored on CPU (a warning), where the cache holds max_num_seqs sequences of
+        max_model_len up to $RUNG_CPU_KVCACHE_SPACE GiB (default 4, at most RAM / 4).
+        ``tensor_parallel_size`` > 1 and ``trust_remote_code`` are
         vLLM's names for what rung does not do (ValueError)."""
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} is unsupported: "
@@ -64,6 +69,8 @@ class LLM:
         self.data_parallel_routing = data_parallel_routing
         self._num_prompts = 0
         dev = parse_device(device)
+        if max_num_seqs is None:
+            max_num_seqs = default_max_num_seqs(dev)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, max_num_seqs) if isinstance(
                 max_num_seqs, int) else 2048
