@@ -45,6 +45,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None   # top-N logprobs per prompt token (plus the actual one)
     skip_special_tokens: bool = True            # special tokens (EOS, BOS) left out of text
     spaces_between_special_tokens: bool = True  # kept special tokens set apart by a space
+    # vLLM names that vLLM itself dropped: refused unless left at their no-op values
+    best_of: int | None = None      # None or n only (vLLM V1 removed best_of)
+    use_beam_search: bool = False   # False only (vLLM moved beam search to LLM.beam_search)
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -59,6 +62,14 @@ class SamplingParams:
         return copy.deepcopy(self)
 
     def _check(self) -> None:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of!r} is unsupported: vLLM's V1 engine "
+                             "dropped best_of from SamplingParams; ask for n samples (with "
+                             "logprobs) and pick by cumulative logprob")
+        if self.use_beam_search is not False:
+            raise ValueError(f"use_beam_search={self.use_beam_search!r} is unsupported: vLLM "
+                             "removed it from SamplingParams (beam search is its own "
+                             "LLM.beam_search there), and rung has no beam search")
         for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "min_p"):
             value = getattr(self, name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -26,6 +27,8 @@ from rung.runtime.outputs import CompletionOutput, RequestOutput
 from rung.runtime.request_ids import GenerateId
 from rung.runtime.sampling_params import RequestOutputKind, SamplingParams
 
+logger = logging.getLogger(__name__)
+
 
 class LLM:
     def __init__(self, model: str, dtype: str | torch.dtype = "auto", device: str = "auto",
@@ -43,7 +46,8 @@ class LLM:
                  data_parallel_routing: str = "round_robin",
                  data_parallel_timeout_s: float = 120.0,
                  gpu_memory_utilization: float | None = None,
-                 tensor_parallel_size: int = 1, trust_remote_code: bool = False) -> None:
+                 tensor_parallel_size: int = 1, trust_remote_code: bool = False,
+                 swap_space: float | None = None) -> None:
         """``data_parallel_size`` > 1: this process is one rank (under torchrun, or spawned
         by `rung ... --data-parallel-size N`); every rank builds the same LLM and passes the
         same prompts to `generate`, which runs each rank's share (``data_parallel_routing``:
@@ -55,7 +59,9 @@ class LLM:
         CUDA; ignored on CPU (a warning), where the cache holds max_num_seqs sequences of
         max_model_len up to $RUNG_CPU_KVCACHE_SPACE GiB (default 4, at most RAM / 4).
         ``tensor_parallel_size`` > 1 and ``trust_remote_code`` are
-        vLLM's names for what rung does not do (ValueError)."""
+        vLLM's names for what rung does not do (ValueError). ``swap_space`` (vLLM's CPU
+        swap, GiB) is accepted and unused: a preempted request recomputes its KV, as in
+        vLLM's V1 engine."""
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} is unsupported: "
                              "rung runs a model on one device (data_parallel_size runs "
@@ -63,6 +69,10 @@ class LLM:
         if trust_remote_code:
             raise ValueError("trust_remote_code=True is unsupported: rung runs only its own "
                              "model code (Llama, Qwen3, Gemma 4), never a folder's")
+        if swap_space:
+            logger.info("swap_space=%s GiB is not used: rung swaps no KV blocks to CPU memory "
+                        "(a preempted request recomputes them, as vLLM's V1 engine does)",
+                        swap_space)
         if data_parallel_routing not in ROUTING_POLICIES:
             raise ValueError(f"data_parallel_routing {data_parallel_routing!r} not in "
                              f"{ROUTING_POLICIES}")
