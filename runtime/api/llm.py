@@ -172,7 +172,7 @@ class LLM:
         bar = tqdm(total=num_all, desc="Processed prompts", unit="prompt", file=sys.stderr,
                    disable=not use_tqdm)
         base = self.engine.dp_num_finished
-        num_output_tokens = 0
+        base_tokens = self.engine.num_generated_tokens
         self.engine.all_ranks_idle = False
         try:
             while self._keep_stepping(len(done) < num_prompts):
@@ -183,13 +183,16 @@ class LLM:
                 for out in outputs:
                     if out.finished and out.request_id in ids:
                         done[out.request_id] = out
-                        num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
                         if dp is None:
                             bar.update(1)
-                        elapsed = bar.format_dict["elapsed"]
-                        if elapsed > 0:
-                            bar.set_postfix_str(
-                                f"output {num_output_tokens / elapsed:.1f} tok/s", refresh=False)
+                # NOTE: every step, so a long generation shows its tokens move; the bar
+                # redraws at most every mininterval (update(0) is the throttled refresh)
+                num_tokens = self.engine.num_generated_tokens - base_tokens
+                elapsed = bar.format_dict["elapsed"]
+                if use_tqdm and elapsed > 0:
+                    bar.set_postfix_str(f"output {num_tokens} tok, {num_tokens / elapsed:.1f} "
+                                        "tok/s", refresh=False)
+                    bar.update(0)
         finally:
             bar.close()
         return done

@@ -43,6 +43,7 @@ class LLMEngine:
         self.dp: DataParallelGroup | None = None
         self.all_ranks_idle = False      # data parallel: the last step's sync found no work
         self.num_finished_outputs = 0    # finished outputs step() has returned
+        self.num_generated_tokens = 0    # output tokens committed, every request's
         self.dp_num_finished = 0         # data parallel: the same, all ranks, at the last sync
         if config.data_parallel_size > 1:
             self.dp, config.device = init_data_parallel(
@@ -205,6 +206,7 @@ class LLMEngine:
             num_computed = s.num_new_tokens - s.num_spec_tokens + num_accepted
             num_kept, reason = req.commit(new, num_computed, self.kv,
                                           functools.partial(self.outputs.stop_reason, req))
+            self.num_generated_tokens += num_kept
             if not new:
                 continue
             logprobs = result.logprobs.get(req.request_id)
