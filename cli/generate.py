@@ -47,7 +47,7 @@ def _prompts(args: argparse.Namespace) -> list[str | dict]:
 def _check_prompts(args: argparse.Namespace, prompts: list[str | dict]) -> None:
     """Tokenizer, length and vocabulary checks before the model is built and captured."""
     from rung.models.loader import peek_model
-    from rung.runtime.engine.processor import context_overflow
+    from rung.runtime.sampling_params import context_overflow
 
     if args.max_model_len is not None and args.max_model_len < 1:
         raise ValueError(f"--max-model-len {args.max_model_len} must be a positive integer "

@@ -118,6 +118,17 @@ class SamplingParams:
         return self.temperature < 1e-5
 
 
+def context_overflow(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int
+                     ) -> str | None:
+    """Why ``max_tokens`` more tokens cannot follow a prompt within ``max_model_len`` (the
+    message the server's 400 and `rung generate` give), or None when they fit. The offline
+    `LLM` stops such a request at the context instead, as vLLM's does."""
+    if max_tokens is None or num_prompt_tokens + max_tokens <= max_model_len:
+        return None
+    return (f"max_tokens={max_tokens} plus the {num_prompt_tokens} prompt tokens is more than "
+            f"max_model_len={max_model_len}")
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -21,8 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rung.runtime import LLMEngine, SamplingParams, apply_chat_template
-from rung.runtime.engine.processor import context_overflow
+from rung.runtime import LLMEngine, SamplingParams, apply_chat_template, context_overflow
 from rung.server.engine_loop import (
     EngineLoop,
     QueueFull,

@@ -21,17 +21,6 @@ class ProcessedInput:
     eos_token_id: int | None
 
 
-def context_overflow(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int
-                     ) -> str | None:
-    """Why ``max_tokens`` more tokens cannot follow a prompt within ``max_model_len`` (the
-    message the server's 400 and `rung generate` give), or None when they fit. The offline
-    `LLM` stops such a request at the context instead, as vLLM's does."""
-    if max_tokens is None or num_prompt_tokens + max_tokens <= max_model_len:
-        return None
-    return (f"max_tokens={max_tokens} plus the {num_prompt_tokens} prompt tokens is more than "
-            f"max_model_len={max_model_len}")
-
-
 class InputProcessor:
     def __init__(self, model: str, tokenizer: Any, model_config: dict[str, Any],
                  generation_stop_ids: list[int], vocab_size: int, max_model_len: int) -> None:
