@@ -206,6 +206,10 @@ class EngineConfig:
     data_parallel_size: int = 1
     data_parallel_timeout_s: float = 120.0    # a collective waiting longer fails the rank
     enable_prefix_caching: bool = True
+    # every linear layer computes each row with a GEMM of one shape, so a request's logits
+    # (its greedy and seeded tokens) do not depend on its batch; default $RUNG_BATCH_INVARIANT
+    batch_invariant: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("RUNG_BATCH_INVARIANT", "0") == "1")
     debug_padding: bool = dataclasses.field(
         default_factory=lambda: os.environ.get("RUNG_DEBUG_PADDING", "0") == "1")
 

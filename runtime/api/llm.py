@@ -47,7 +47,8 @@ class LLM:
                  data_parallel_timeout_s: float = 120.0,
                  gpu_memory_utilization: float | None = None,
                  tensor_parallel_size: int = 1, trust_remote_code: bool = False,
-                 swap_space: float | None = None) -> None:
+                 swap_space: float | None = None,
+                 batch_invariant: bool | None = None) -> None:
         """``data_parallel_size`` > 1: this process is one rank (under torchrun, or spawned
         by `rung ... --data-parallel-size N`); every rank builds the same LLM and passes the
         same prompts to `generate`, which runs each rank's share (``data_parallel_routing``:
@@ -61,7 +62,11 @@ class LLM:
         ``tensor_parallel_size`` > 1 and ``trust_remote_code`` are
         vLLM's names for what rung does not do (ValueError). ``swap_space`` (vLLM's CPU
         swap, GiB) is accepted and unused: a preempted request recomputes its KV, as in
-        vLLM's V1 engine."""
+        vLLM's V1 engine.
+
+        ``batch_invariant`` (None: $RUNG_BATCH_INVARIANT == "1"): a request's logits, so its
+        greedy and seeded tokens, do not depend on the batch it runs in (README says what
+        is promised and what it costs)."""
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} is unsupported: "
                              "rung runs a model on one device (data_parallel_size runs "
@@ -100,6 +105,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching)
         if debug_padding is not None:
             config.debug_padding = debug_padding
+        if batch_invariant is not None:
+            config.batch_invariant = batch_invariant
         self.engine = LLMEngine(config, capture_progress)
 
     def wait_for_graphs(self, timeout: float | None = None) -> bool:
