@@ -9,6 +9,7 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
+from rung.kernels.batch_invariant import is_batch_invariant
 from rung.kernels.gguf_cpu import (
     GGUFBlockWeight,
     gguf_gemm,
@@ -215,7 +216,7 @@ def lm_head_logits(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [num_rows, hidden] -> logits [num_rows, vocab] fp32 through ``head``: its
     W^T copy (``weight_t``, see ``pretranspose_linear_weights``) for a few rows, else on
     CPU a row-major weight as the tall GEMM W @ hidden^T (the table above)."""
-    if isinstance(head, QuantLinear):
+    if isinstance(head, QuantLinear) or is_batch_invariant(head):
         return head(hidden).float()
     weight_t = getattr(head, "weight_t", None)
     if weight_t is not None and weight_t.dtype != hidden.dtype:

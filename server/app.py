@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rung.runtime import LLMEngine, SamplingParams, apply_chat_template
+from rung.runtime import LLMEngine, SamplingParams, apply_chat_template, context_overflow
 from rung.server.engine_loop import (
     EngineLoop,
     QueueFull,
@@ -97,10 +97,9 @@ class _Server:
             if num > self.max_model_len:
                 raise BadRequest(f"{field} has {num} tokens, longer than max_model_len="
                                  f"{self.max_model_len}", field)
-            if params.max_tokens is not None and num + params.max_tokens > self.max_model_len:
-                raise BadRequest(f"max_tokens={params.max_tokens} plus the {num} prompt "
-                                 f"tokens is more than max_model_len={self.max_model_len}",
-                                 "max_tokens")
+            overflow = context_overflow(num, params.max_tokens, self.max_model_len)
+            if overflow is not None:
+                raise BadRequest(overflow, "max_tokens")
 
     async def submit(self, prompts: list[dict], params: SamplingParams, prefix: str
                      ) -> RequestStream:
