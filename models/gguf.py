@@ -23,10 +23,10 @@ logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 
-# GGUF architecture -> HF model_type; llama.cpp permutes q/k rows of these for its rope.
-_ARCH_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3",
-                    "gemma4": "gemma4_text"}
-_PERMUTED_QK_ARCHS = ("llama", "mistral")
+# GGUF architecture -> HF model_type; the model class (registry) declares the rest: whether
+# llama.cpp permuted its q/k rows, and tensor names that differ from Llama's.
+_ARCH_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                    "phi3": "phi3", "gemma4": "gemma4_text"}
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _LAYER_TENSORS = {
@@ -99,6 +99,9 @@ class GGUFModel:
                              f"loads GGUF architectures {', '.join(sorted(_ARCH_MODEL_TYPE))}")
         self._check_tensor_types()
         self.config = self._config()
+        from rung.models.registry import model_class
+
+        self.family = model_class(self.config)
 
     # --- metadata -------------------------------------------------------------------------
     def field(self, key: str, default=None):
@@ -138,6 +141,8 @@ class GGUFModel:
             raise ValueError(f"GGUF file {self.path!r} carries rope_freqs (Llama 3 rope "
                              "scaling), which rung's GGUF loader does not map yet")
         tokens = self.field("tokenizer.ggml.tokens")
+        head_dim = int(self.arch_field("attention.key_length", hidden // num_heads))
+        rotary_dim = int(self.arch_field("rope.dimension_count", head_dim))
         return {
             "model_type": _ARCH_MODEL_TYPE[self.arch],
             "vocab_size": int(self.arch_field("vocab_size", len(tokens or ()))),
@@ -146,7 +151,9 @@ class GGUFModel:
             "num_hidden_layers": int(self.required("block_count")),
             "num_attention_heads": int(num_heads),
             "num_key_value_heads": int(self.arch_field("attention.head_count_kv", num_heads)),
-            "head_dim": int(self.arch_field("attention.key_length", hidden // num_heads)),
+            "head_dim": head_dim,
+            "partial_rotary_factor": rotary_dim / head_dim,
+            "sliding_window": self.arch_field("attention.sliding_window"),
             "rms_norm_eps": float(self.required("attention.layer_norm_rms_epsilon")),
             "rope_theta": float(self.arch_field("rope.freq_base", 10000.0)),
             "max_position_embeddings": int(self.arch_field("context_length", 2048)),
@@ -200,7 +207,7 @@ class GGUFModel:
             name = self._hf_name(t.name)
             shape = _numpy_shape(t)
             data = t.data
-            if self.arch in _PERMUTED_QK_ARCHS:
+            if getattr(self.family, "gguf_permuted_qk", False):
                 data = self._unpermute_qk(name, data)
             if name == "model.embed_tokens.weight" and "lm_head.weight" in block_names \
                     and self.config.get("tie_word_embeddings"):
@@ -221,8 +228,9 @@ class GGUFModel:
         if stem in _GLOBAL_TENSORS:
             return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
         match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-        if match and match.group(2) in _LAYER_TENSORS:
-            return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}.{suffix}"
+        layer_tensors = {**_LAYER_TENSORS, **getattr(self.family, "gguf_layer_tensors", {})}
+        if match and match.group(2) in layer_tensors:
+            return f"model.layers.{match.group(1)}.{layer_tensors[match.group(2)]}.{suffix}"
         raise ValueError(f"GGUF tensor {name!r} has no counterpart in rung's "
                          f"{self.config['model_type']} model")
 

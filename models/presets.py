@@ -16,6 +16,17 @@ PRESETS: dict[str, dict] = {
                    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                    "tie_word_embeddings": True},
+    # Qwen2 / Qwen2.5: biases on q/k/v
+    "tiny-qwen2": {**_LLAMA_BASE, "model_type": "qwen2", "vocab_size": 512,
+                   "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "tie_word_embeddings": True},
+    # Phi-3: fused qkv / gate_up checkpoint tensors, half the head rotated, every layer
+    # sliding over 32 tokens
+    "tiny-phi3": {**_LLAMA_BASE, "model_type": "phi3", "vocab_size": 512, "hidden_size": 64,
+                  "intermediate_size": 128, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "partial_rotary_factor": 0.5, "sliding_window": 32},
     # NOTE: 4096 positions, so a bench can show attention cost following the real context
     "bench-llama": {**_LLAMA_BASE, "max_position_embeddings": 4096, "vocab_size": 8192,
                     "hidden_size": 512,

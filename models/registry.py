@@ -10,7 +10,9 @@ from torch import nn
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("rung.models.llama", "LlamaForCausalLM"),
     "mistral": ("rung.models.llama", "LlamaForCausalLM"),
-    "qwen3": ("rung.models.llama", "Qwen3ForCausalLM"),
+    "qwen2": ("rung.models.qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("rung.models.qwen3", "Qwen3ForCausalLM"),
+    "phi3": ("rung.models.phi3", "Phi3ForCausalLM"),
     "gemma4_text": ("rung.models.gemma4", "Gemma4ForCausalLM"),
     "gemma4": ("rung.models.gemma4", "Gemma4ForCausalLM"),
     "gemma4_assistant": ("rung.models.gemma4_mtp", "Gemma4AssistantModel"),

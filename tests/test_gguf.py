@@ -4,7 +4,7 @@ the same weights, bad files rejected with clear errors, tokenizer and chat templ
 import numpy as np
 import pytest
 import torch
-from helpers import assert_matches_hf, random_prompts
+from helpers import FAMILY_CONFIGS, assert_matches_hf, hf_family_model, random_prompts
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rung.models import loader
@@ -33,6 +33,8 @@ def _vocab() -> list[str]:
 def _hf_model(arch: str):
     torch.manual_seed(0)
     vocab_size = len(_vocab())
+    if arch in FAMILY_CONFIGS:
+        return hf_family_model(arch, vocab_size, eos_token_id=4)
     if arch == "llama":
         cfg = LlamaConfig(vocab_size=vocab_size, **COMMON, attn_implementation="eager")
         return LlamaForCausalLM(cfg).eval()
@@ -46,7 +48,9 @@ _TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_nor
             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+            # Phi-3's fused tensors, as llama.cpp keeps them
+            "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
 def _gguf_name(hf_name: str) -> str:
@@ -77,8 +81,13 @@ def write_gguf(path, hf_model=None, arch: str = "llama", qtype: str = "F32",
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if getattr(cfg, "sliding_window", None):
+        w.add_sliding_window(cfg.sliding_window)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(cfg.vocab_size)
@@ -115,7 +124,7 @@ def write_gguf(path, hf_model=None, arch: str = "llama", qtype: str = "F32",
     return str(path)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2", "phi3"])
 def gguf_pair(request, tmp_path_factory):
     hf_model = _hf_model(request.param)
     path = write_gguf(tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf", hf_model,
