@@ -26,7 +26,7 @@ GGUF_MAGIC = b"GGUF"
 # GGUF architecture -> HF model_type; the model class (registry) declares the rest: whether
 # llama.cpp permuted its q/k rows, and tensor names that differ from Llama's.
 _ARCH_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                    "phi3": "phi3", "gemma4": "gemma4_text"}
+                    "phi3": "phi3", "gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _LAYER_TENSORS = {
@@ -45,7 +45,7 @@ _FALLBACK_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 SUPPORTED_TYPES = _FALLBACK_TYPES + ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
-_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
+_TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
 
 
 def is_gguf(path: str) -> bool:
@@ -97,11 +97,12 @@ class GGUFModel:
         if self.arch not in _ARCH_MODEL_TYPE:
             raise ValueError(f"GGUF file {path!r} has architecture {self.arch!r}; rung "
                              f"loads GGUF architectures {', '.join(sorted(_ARCH_MODEL_TYPE))}")
-        self._check_tensor_types()
-        self.config = self._config()
         from rung.models.registry import model_class
 
-        self.family = model_class(self.config)
+        # the model class declares what its GGUF differs in (see models/llama.py)
+        self.family = model_class({"model_type": _ARCH_MODEL_TYPE[self.arch]})
+        self._check_tensor_types()
+        self.config = self._config()
 
     # --- metadata -------------------------------------------------------------------------
     def field(self, key: str, default=None):
@@ -134,6 +135,8 @@ class GGUFModel:
             from rung.models import gguf_gemma4
 
             return gguf_gemma4.text_config(self)
+        if hasattr(self.family, "gguf_config"):
+            return self.family.gguf_config(self)
         hidden = self.required("embedding_length")
         num_heads = self.required("attention.head_count")
         names = {t.name for t in self.reader.tensors}
@@ -217,6 +220,9 @@ class GGUFModel:
                 continue
             array = np.ascontiguousarray(dequantize(data, t.tensor_type.name, shape),
                                          dtype=np.float32)
+            offset = getattr(self.family, "gguf_norm_offset", 0.0)
+            if offset and name.endswith("norm.weight"):
+                array = array - np.float32(offset)
             yield name, torch.from_numpy(array if array.flags.writeable else array.copy())
 
     def _hf_name(self, name: str) -> str:
@@ -263,9 +269,13 @@ class GGUFModel:
                                   self.field("tokenizer.ggml.pre", "default"))
         elif model == "gemma4":
             tok = _sentencepiece_bpe(tokens, merges or [], token_types)
+        elif model == "llama" and self.arch == "gemma3":
+            tok = _sentencepiece_bpe(*_spm_vocab_merges(tokens, token_types),
+                                     split_newlines=False)
         else:
             raise ValueError(f"GGUF file {self.path!r} has tokenizer model {model!r}; rung "
-                             "builds BPE tokenizers (tokenizer.ggml.model 'gpt2' or 'gemma4')")
+                             "builds BPE tokenizers (tokenizer.ggml.model 'gpt2' or 'gemma4', "
+                             "or 'llama' in a gemma3 file)")
         return HFTokenizer(tok, eos_token_id=self.config["eos_token_id"],
                            bos_token_id=self.config["bos_token_id"],
                            add_bos_token=bool(self.field("tokenizer.ggml.add_bos_token", False)),
@@ -389,10 +399,37 @@ def _add_special_tokens(tok, tokens: list[str], token_types: list[int] | None) -
                     for i, t in enumerate(types) if t == _TOKEN_USER_DEFINED])
 
 
-def _sentencepiece_bpe(tokens: list[str], merges: list[str], token_types: list[int] | None):
-    """A `tokenizers.Tokenizer` for llama.cpp's "gemma4" vocabulary: BPE over raw UTF-8
-    with spaces written as U+2581, newline runs split off (llama.cpp's gemma4 pre-tokenizer),
-    bytes outside the vocabulary as ``<0xNN>`` tokens."""
+def _spm_vocab_merges(tokens: list[str], token_types: list[int] | None
+                      ) -> tuple[list[str], list[str], list[int]]:
+    """(tokens, merges, token types) of a SentencePiece BPE vocabulary stored without
+    merges (llama.cpp's "llama" tokenizer model in a gemma3 file).
+
+    SentencePiece BPE joins, at each step, the adjacent pair whose joined piece ranks best;
+    Gemma's rank is the piece's place in the vocabulary (its scores do not follow it). So
+    every split of a normal piece into two vocabulary pieces is a merge, ranked by the
+    joined piece's id. Runs of spaces are stored as user-defined pieces spelled with real
+    spaces; the normalizer writes spaces as U+2581, so they are respelled to match and
+    merged like normal pieces.
+    """
+    types = list(token_types or [_TOKEN_NORMAL] * len(tokens))
+    tokens = list(tokens)
+    for i, token in enumerate(tokens):
+        if token and not token.strip(" "):
+            tokens[i], types[i] = _SPACE * len(token), _TOKEN_NORMAL
+    ids = {t: i for i, t in enumerate(tokens) if types[i] == _TOKEN_NORMAL}
+    merges = []
+    for token in sorted(ids, key=ids.__getitem__):
+        splits = [(ids[token[:k]], ids[token[k:]], token[:k], token[k:])
+                  for k in range(1, len(token)) if token[:k] in ids and token[k:] in ids]
+        merges += [f"{left} {right}" for _, _, left, right in sorted(splits)]
+    return tokens, merges, types
+
+
+def _sentencepiece_bpe(tokens: list[str], merges: list[str], token_types: list[int] | None,
+                       split_newlines: bool = True):
+    """A `tokenizers.Tokenizer` for a SentencePiece BPE vocabulary: BPE over raw UTF-8
+    with spaces written as U+2581, bytes outside the vocabulary as ``<0xNN>`` tokens, and
+    with ``split_newlines`` newline runs split off (llama.cpp's gemma4 pre-tokenizer)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     vocab = {token: i for i, token in enumerate(tokens)}
@@ -400,7 +437,8 @@ def _sentencepiece_bpe(tokens: list[str], merges: list[str], token_types: list[i
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, byte_fallback=True, fuse_unk=False,
                                unk_token="<unk>" if "<unk>" in vocab else None))
     tok.normalizer = normalizers.Replace(" ", _SPACE)
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
+    if split_newlines:
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
     tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(),
                                      decoders.Fuse()])
     _add_special_tokens(tok, tokens, token_types)

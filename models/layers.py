@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, weight_offset: float = 0.0,
                  cast_before_scale: bool = True) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - weight_offset))   # identity
         self.eps = eps
         self.weight_offset = weight_offset
         self.cast_before_scale = cast_before_scale
@@ -240,15 +240,17 @@ def lm_head_row_splits(head: nn.Module, dtype: torch.dtype) -> tuple[int, ...]:
 
 
 def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
-    """inv_freq [rotary_dim // 2] fp32, HF's default and llama3 rope types."""
+    """inv_freq [rotary_dim // 2] fp32, HF's default, linear and llama3 rope types."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float()
                                / rotary_dim))
     rope_type = (rope_scaling or {}).get("rope_type", "default")
     if rope_type == "default":
         return inv_freq
+    if rope_type == "linear":                     # positions divided by the factor
+        return inv_freq / float(rope_scaling["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope_scaling)
-    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
 
 
 def proportional_inv_freq(head_dim: int, base: float, partial_rotary_factor: float,

@@ -13,6 +13,7 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2": ("rung.models.qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("rung.models.qwen3", "Qwen3ForCausalLM"),
     "phi3": ("rung.models.phi3", "Phi3ForCausalLM"),
+    "gemma3_text": ("rung.models.gemma3", "Gemma3ForCausalLM"),
     "gemma4_text": ("rung.models.gemma4", "Gemma4ForCausalLM"),
     "gemma4": ("rung.models.gemma4", "Gemma4ForCausalLM"),
     "gemma4_assistant": ("rung.models.gemma4_mtp", "Gemma4AssistantModel"),

@@ -69,6 +69,16 @@ FAMILY_CONFIGS = {
     "qwen2": dict(FAMILY_SMALL, tie_word_embeddings=True),
     # window 24 < the longest prompts (31..60 tokens): old keys leave the window mid-prompt
     "phi3": dict(FAMILY_SMALL, partial_rotary_factor=0.5, sliding_window=24, pad_token_id=0),
+    # 5 sliding layers : 1 full, window 16 < the longest prompts; one KV head; an attention
+    # scale that is not head_dim's; own local / global rope bases; final logit soft-cap
+    "gemma3_text": dict(FAMILY_SMALL, hidden_size=128, intermediate_size=256,
+                        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
+                        head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+                        final_logit_softcapping=30.0, pad_token_id=0,
+                        rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                               "rope_theta": 1000.0},
+                                         "full_attention": {"rope_type": "default",
+                                                            "rope_theta": 100000.0}}),
 }
 
 
