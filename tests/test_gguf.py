@@ -35,6 +35,12 @@ def _hf_model(arch: str):
     vocab_size = len(_vocab())
     if arch in FAMILY_CONFIGS:
         return hf_family_model(arch, vocab_size, eos_token_id=4)
+    if arch == "gemma3":
+        # what a gemma3 GGUF can say: llama.cpp fixes the local rope base (10000) and the
+        # attention scale (1 / sqrt(head_dim)), and has no final soft-cap
+        return hf_family_model("gemma3_text", vocab_size, eos_token_id=4,
+                               query_pre_attn_scalar=32, rope_parameters=_GEMMA3_ROPE,
+                               final_logit_softcapping=None)
     if arch == "llama":
         cfg = LlamaConfig(vocab_size=vocab_size, **COMMON, attn_implementation="eager")
         return LlamaForCausalLM(cfg).eval()
@@ -53,13 +59,22 @@ _TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_nor
             "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
-def _gguf_name(hf_name: str) -> str:
+_GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
+# Gemma's four norms a layer (llama.cpp's names)
+_GEMMA_TO_GGUF = {"post_attention_layernorm": "post_attention_norm",
+                  "pre_feedforward_layernorm": "ffn_norm",
+                  "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     stem, suffix = hf_name.rsplit(".", 1)
     top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
     if stem in top:
         return f"{top[stem]}.{suffix}"
     _, _, layer, rest = stem.split(".", 3)
-    return f"blk.{layer}.{_TO_GGUF[rest]}.{suffix}"
+    names = {**_TO_GGUF, **_GEMMA_TO_GGUF} if arch == "gemma3" else _TO_GGUF
+    return f"blk.{layer}.{names[rest]}.{suffix}"
 
 
 def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -89,7 +104,8 @@ def write_gguf(path, hf_model=None, arch: str = "llama", qtype: str = "F32",
     if getattr(cfg, "sliding_window", None):
         w.add_sliding_window(cfg.sliding_window)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(_GEMMA3_ROPE["full_attention"]["rope_theta"] if arch == "gemma3"
+                         else 10000.0)
     w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model(tokenizer_model)
     w.add_tokenizer_pre("default")
@@ -108,15 +124,18 @@ def write_gguf(path, hf_model=None, arch: str = "llama", qtype: str = "F32",
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         data = tensor.float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1.0               # llama.cpp stores Gemma's 1 + w
         if arch == "llama" and ".q_proj." in name:
             data = _permute(data, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             data = _permute(data, cfg.num_key_value_heads)
         if data.ndim == 2 and qtype != "F32":
             kind = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(data, kind), raw_dtype=kind)
+            w.add_tensor(_gguf_name(name, arch), gguf.quants.quantize(data, kind),
+                         raw_dtype=kind)
         else:
-            w.add_tensor(_gguf_name(name), data)
+            w.add_tensor(_gguf_name(name, arch), data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -124,7 +143,7 @@ def write_gguf(path, hf_model=None, arch: str = "llama", qtype: str = "F32",
     return str(path)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2", "phi3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2", "phi3", "gemma3"])
 def gguf_pair(request, tmp_path_factory):
     hf_model = _hf_model(request.param)
     path = write_gguf(tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf", hf_model,
