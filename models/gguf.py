@@ -18,15 +18,12 @@ import numpy as np
 import torch
 
 from rung.kernels.gguf_cpu import GGUFBlockWeight
+from rung.models.registry import GGUF_ARCHITECTURES, model_class
 
 logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 
-# GGUF architecture -> HF model_type; the model class (registry) declares the rest: whether
-# llama.cpp permuted its q/k rows, and tensor names that differ from Llama's.
-_ARCH_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                    "phi3": "phi3", "gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _LAYER_TENSORS = {
@@ -94,13 +91,11 @@ class GGUFModel:
         self.path = path
         self.reader = open_reader(path)
         self.arch = self._str("general.architecture")
-        if self.arch not in _ARCH_MODEL_TYPE:
+        if self.arch not in GGUF_ARCHITECTURES:
             raise ValueError(f"GGUF file {path!r} has architecture {self.arch!r}; rung "
-                             f"loads GGUF architectures {', '.join(sorted(_ARCH_MODEL_TYPE))}")
-        from rung.models.registry import model_class
-
+                             f"loads GGUF architectures {', '.join(sorted(GGUF_ARCHITECTURES))}")
         # the model class declares what its GGUF differs in (see models/llama.py)
-        self.family = model_class({"model_type": _ARCH_MODEL_TYPE[self.arch]})
+        self.family = model_class({"model_type": GGUF_ARCHITECTURES[self.arch]})
         self._check_tensor_types()
         self.config = self._config()
 
@@ -147,7 +142,7 @@ class GGUFModel:
         head_dim = int(self.arch_field("attention.key_length", hidden // num_heads))
         rotary_dim = int(self.arch_field("rope.dimension_count", head_dim))
         return {
-            "model_type": _ARCH_MODEL_TYPE[self.arch],
+            "model_type": GGUF_ARCHITECTURES[self.arch],
             "vocab_size": int(self.arch_field("vocab_size", len(tokens or ()))),
             "hidden_size": int(hidden),
             "intermediate_size": int(self.required("feed_forward_length")),
