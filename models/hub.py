@@ -14,9 +14,9 @@ _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 def looks_like_repo_id(model: str) -> bool:
-    """``org/name`` that is not a path on this machine."""
+    """``org/name`` that is not a path on this machine (nor a .gguf file's name)."""
     return bool(_REPO_ID.fullmatch(model)) and not os.path.exists(model) \
-        and not model.startswith(".")
+        and not model.startswith(".") and not model.endswith(".gguf")
 
 
 def resolve_repo_id(repo_id: str) -> str:
