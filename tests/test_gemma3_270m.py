@@ -69,7 +69,7 @@ def test_greedy_tokens_match_hf(hf_reference, enforce_eager, monkeypatch):
     path, ids, want = hf_reference
     llm = LLM(path, dtype="float32", device="cpu", max_model_len=1024, max_num_seqs=2,
               enforce_eager=enforce_eager, compilation_config=None if enforce_eager else COMPILED)
-    assert llm.engine.tokenizer.encode(PROMPTS[0]) == ids[0]      # rung's own tokenizer
+    assert [llm.engine.tokenizer.encode(p) for p in PROMPTS] == ids    # rung's own tokenizer
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in ids], params)
     assert [o.outputs[0].token_ids for o in outs] == [w[:NUM_TOKENS] for w in want]

@@ -62,3 +62,12 @@ def test_preset_generates(preset):
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, logprobs=0)
     out = llm.generate("a preset of a family with random weights", params)[0].outputs[0]
     assert len(out.token_ids) == 8
+
+
+def test_eos_outside_the_vocabulary_rejected(tmp_path):
+    """HF's default Phi-3 EOS (32000) on a 256-token vocabulary: a clear error at start-up,
+    not an IndexError in the sampler."""
+    model = hf_family_model("phi3", VOCAB, eos_token_id=32000)
+    folder = save_hf_model(model, tmp_path)
+    with pytest.raises(ValueError, match="eos_token_id 32000, outside its vocabulary of 256"):
+        LLM(folder, dtype="float32", device="cpu", enforce_eager=True)
