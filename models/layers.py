@@ -74,6 +74,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, sum(shard_sizes)
         self.shard_sizes = shard_sizes
         self._pending: dict[int, GGUFBlockWeight] = {}
+        self._whole = False                             # one tensor held every shard
         self.type_name = ""                             # "Q4_0" / "Q4_1" / "Q8_0" once packed
         self.kernel = ""                                # "rung" or "torch_int4" once packed
         # rung's kernel: the file's blocks, per row; torch's: (packed, scales_and_zeros)
@@ -89,6 +90,11 @@ class QuantLinear(nn.Module):
         return cls(linear.in_features, list(sizes))
 
     def load_quantized(self, weight: GGUFBlockWeight, shard: int | None) -> None:
+        if shard is None and weight.shape == (self.out_features, self.in_features):
+            # every shard in one checkpoint tensor (Phi-3's qkv and gate_up in a GGUF)
+            self._pending = {i: weight for i in range(len(self.shard_sizes))}
+            self._whole = True
+            return
         index = 0 if shard is None else shard
         want = (self.shard_sizes[index], self.in_features)
         if weight.shape != want:
@@ -101,7 +107,8 @@ class QuantLinear(nn.Module):
         missing = sorted(set(range(len(self.shard_sizes))) - set(self._pending))
         if missing:
             raise ValueError(f"quantized layer lacks checkpoint shards {missing}")
-        weight = stack_rows([self._pending[i] for i in range(len(self.shard_sizes))])
+        weight = self._pending[0] if self._whole else \
+            stack_rows([self._pending[i] for i in range(len(self.shard_sizes))])
         self._pending.clear()
         self.type_name = weight.type_name
         self.kernel = kernel or quant_kernel(torch.device(device))

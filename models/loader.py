@@ -247,7 +247,8 @@ def _quant_layer(net: nn.Module, layer: str, parts: dict[str, str],
     return (type(module) in (nn.Linear, MergedLinear) and module.bias is None
             and all(t in block_types for t in parts.values())
             and len({t == "Q8_0" for t in parts.values()}) == 1      # one bit width a layer
-            and len(parts) == len(getattr(module, "shard_sizes", [None]))
+            # a tensor a shard, or one tensor holding them all (Phi-3's fused ones)
+            and len(parts) in (1, len(getattr(module, "shard_sizes", [None])))
             and check_packable(module.out_features, module.in_features) is None)
 
 

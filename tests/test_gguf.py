@@ -354,3 +354,19 @@ def test_second_load_maps_the_cached_dequantized_weights(tmp_path, arch, monkeyp
     again = load_model(path, cache_dir=cache).model
     assert all(torch.equal(t, want[n]) for n, t in tensors(again).items())
     assert entry.stat().st_size > 100                        # rewritten from the file
+
+
+def test_phi3_fused_tensors_stay_quantized(tmp_path):
+    """Phi-3's fused attn_qkv and ffn_up (gate_up) tensors of a Q8_0 file are served in
+    their blocks under quantization="gguf", each shard's rows where the dequantized layer
+    has them."""
+    from rung.models.layers import QuantLinear
+
+    path = write_gguf(tmp_path / "phi3.gguf", _hf_model("phi3"), "phi3", qtype="Q8_0")
+    quantized = load_model(path, quantization="gguf").model
+    dequantized = load_model(path).model
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj"):
+        layer, want = quantized.get_submodule(name), dequantized.get_submodule(name)
+        assert isinstance(layer, QuantLinear) and layer.type_name == "Q8_0"
+        torch.testing.assert_close(layer(x), want(x), atol=0.05, rtol=0.02)
