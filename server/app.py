@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import logging
 import time
 import uuid
@@ -20,26 +21,28 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rung.runtime import LLMEngine, SamplingParams, apply_chat_template
+from rung.runtime import LLMEngine, SamplingParams
 from rung.server.engine_loop import (
     EngineLoop,
     QueueFull,
     RequestStream,
 )
+from rung.server.limits import ServerLimits, read_body
 from rung.server.metrics import ServerMetrics
+from rung.server.prepare import Preparer
 from rung.server.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
-    chat_messages,
-    completion_prompts,
     error_body,
     now,
     param_of,
-    sampling_params,
 )
 from rung.server.streaming import (
+    Choice,
     HTTPError,
     Tracker,
     chat_events,
@@ -60,47 +63,22 @@ class ServerConfig:
     max_queue: int | None = None           # sequences waiting beyond max_num_seqs; None: any
     chat_template: str | None = None       # overrides the model's
     shutdown_timeout_s: float = 30.0       # SIGTERM: running requests get this long
+    limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
 
 
 class _Server:
-    """What the routes share: the engine owner, the config, the metrics."""
+    """What the routes share: the engine owner, the request preparer, the config, the
+    metrics."""
 
     def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
         self.engine_loop = EngineLoop(engine, config.max_queue)
-        self.tokenizer = engine.tokenizer
+        self.preparer = Preparer(engine, config.model_name, config.chat_template,
+                                 config.limits)
         self.max_model_len = engine.max_model_len
         self.model_path = engine.config.model
         self.config = config
         self.metrics = ServerMetrics(config.model_name)
         self.draining = False
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.model_name:
-            raise HTTPError(404, f"The model `{model}` does not exist; this server serves "
-                            f"`{self.config.model_name}`", "model")
-
-    def tokenize(self, prompt: str | dict, field: str) -> dict:
-        """``{"prompt", "prompt_token_ids"}``, so usage and the length check are known
-        before the engine sees the request (it tokenizes text the same way)."""
-        if isinstance(prompt, dict):
-            return prompt
-        if not prompt:
-            raise BadRequest(f"{field} is empty: it must hold at least 1 token", field)
-        if self.tokenizer is None:
-            raise BadRequest(f"model {self.model_path!r} has no tokenizer: send token ids",
-                             field)
-        return {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
-
-    def check_length(self, prompts: list[dict], params: SamplingParams, field: str) -> None:
-        for p in prompts:
-            num = len(p["prompt_token_ids"])
-            if num > self.max_model_len:
-                raise BadRequest(f"{field} has {num} tokens, longer than max_model_len="
-                                 f"{self.max_model_len}", field)
-            if params.max_tokens is not None and num + params.max_tokens > self.max_model_len:
-                raise BadRequest(f"max_tokens={params.max_tokens} plus the {num} prompt "
-                                 f"tokens is more than max_model_len={self.max_model_len}",
-                                 "max_tokens")
 
     async def submit(self, prompts: list[dict], params: SamplingParams, prefix: str
                      ) -> RequestStream:
@@ -123,6 +101,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         server.engine_loop.start()
         yield
         server.engine_loop.stop()
+        server.preparer.shutdown()
 
     app = FastAPI(title="rung", lifespan=lifespan)
     app.state.server = server
@@ -137,6 +116,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         field = loc[0] if loc else None
         return _error(HTTPError(400, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}",
                                 field))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def not_found(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(HTTPError(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(HTTPError)
     async def http_error(request: Request, exc: HTTPError) -> JSONResponse:
@@ -168,12 +151,12 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             {"id": config.model_name, "object": "model", "created": now(), "owned_by": "rung",
              "root": server.model_path, "max_model_len": server.max_model_len}]}
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request):
-        server.check_model(req.model)
-        prompts = [server.tokenize(p, "prompt") for p in completion_prompts(req)]
-        params = sampling_params(req, req.max_tokens, req.logprobs)
-        server.check_length(prompts, params, "prompt")
+    defs: dict[str, Any] = {}           # the request bodies' schema definitions
+
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest, defs))
+    async def completions(raw: Request):
+        prepared = await server.preparer.completion(await read_body(raw, config.limits))
+        req, prompts, params = prepared.req, prepared.prompts, prepared.params
         stream = await server.submit(prompts, params, "cmpl")
         tracker = Tracker(server, stream, prompts, params.n)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
@@ -184,28 +167,19 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         await until_done_or_hangup(raw, collect(stream, tracker, completion_logprobs_of))
         return {**head, "choices": [
             {"index": c.index, "text": c.text, "logprobs": c.logprobs,
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+             **_prompt_logprobs(tracker, c, params)}
             for c in tracker.choices], "usage": tracker.usage()}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw: Request):
-        server.check_model(req.model)
-        try:
-            prompt = apply_chat_template(server.tokenizer, chat_messages(req),
-                                         req.chat_template or config.chat_template,
-                                         req.add_generation_prompt, server.model_path)
-        except BadRequest:
-            raise
-        except ValueError as e:
-            raise BadRequest(str(e), "messages") from None
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        num_top = req.top_logprobs or 0
-        params = sampling_params(req, max_tokens, num_top if req.logprobs else None)
-        server.check_length([prompt], params, "messages")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest, defs))
+    async def chat_completions(raw: Request):
+        prepared = await server.preparer.chat(await read_body(raw, config.limits))
+        req, prompt, params = prepared.req, prepared.prompts[0], prepared.params
         stream = await server.submit([prompt], params, "chatcmpl")
         tracker = Tracker(server, stream, [prompt], params.n)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                 "created": now(), "model": config.model_name}
+        num_top = prepared.num_top
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             return _sse(chat_events(stream, tracker, head, include_usage, num_top))
@@ -214,53 +188,93 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             {"index": c.index, "message": {"role": "assistant", "content": c.text},
              "logprobs": c.logprobs, "finish_reason": c.finish_reason,
              "stop_reason": c.stop_reason} for c in tracker.choices],
-            "usage": tracker.usage()}
+            "usage": tracker.usage(),
+            **(_prompt_logprobs(tracker, tracker.choices[0], params) if tracker.choices
+               else {})}
 
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = default_openapi()
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(defs)
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
 class _AuthAndCount:
     """ASGI middleware: the Bearer token on /v1 (when --api-key is set), and a count of
-    every answer by path and status. NOTE: plain ASGI, not Starlette's BaseHTTPMiddleware,
+    every answer by route and status. NOTE: plain ASGI, not Starlette's BaseHTTPMiddleware,
     which relays every streamed chunk through an extra task and queue."""
 
     def __init__(self, app, server: _Server) -> None:
         self.app, self.server = app, server
         key = server.config.api_key
         self.expected = None if key is None else f"Bearer {key}".encode()
+        self.routes: set[str] | None = None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.routes is None:
+            self.routes = {r.path for r in scope["app"].routes}
+        # NOTE: the label is the route, never the raw path: unknown paths share one
+        # label, so a client cannot grow /metrics with the paths it makes up
         path = scope["path"]
-        if self.expected is not None and path.startswith("/v1") and (
-                dict(scope["headers"]).get(b"authorization") != self.expected):
-            self._count(path, 401)
+        label = path if path in self.routes else "unmatched"
+        if self.expected is not None and path.startswith("/v1") and not hmac.compare_digest(
+                dict(scope["headers"]).get(b"authorization", b""), self.expected):
+            self._count(label, 401)
             await _error(HTTPError(401, "missing or wrong API key: send 'Authorization: "
                                    "Bearer <key>'"))(scope, receive, send)
             return
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":
-                self._count(path, message["status"])
+                self._count(label, message["status"])
             await send(message)
 
         await self.app(scope, receive, counting_send)
 
-    def _count(self, path: str, status: int) -> None:
+    def _count(self, label: str, status: int) -> None:
         m = self.server.metrics
-        m.requests.labels(m.model_name, path, str(status)).inc()
+        m.requests.labels(m.model_name, label, str(status)).inc()
 
 
 def _error(exc: HTTPError) -> JSONResponse:
     return JSONResponse(error_body(exc.message, exc.code, exc.param), status_code=exc.code)
 
 
+def _prompt_logprobs(tracker: Tracker, choice: Choice, params: SamplingParams) -> dict:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then for each one
+    ``{token_id: {"logprob", "rank", "decoded_token"}}``; nothing unless asked for."""
+    if params.prompt_logprobs is None:
+        return {}
+    entries = tracker.prompt_logprobs.get(choice.index // tracker.n)
+    return {"prompt_logprobs": None if entries is None else [
+        None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                         "decoded_token": lp.decoded_token}
+                                for t, lp in e.items()} for e in entries]}
+
+
+def _body_schema(model: type[BaseModel], defs: dict[str, Any]) -> dict:
+    """The OpenAPI request body of a route that reads its own body (so that parsing runs
+    off the event loop); its definitions are added to the document's components."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs.update(schema.pop("$defs", {}))
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": schema}}}}
+
+
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
+
+_CLOSE_GRACE_S = 1.0      # after the drain: cut streams get this long to reach their client
 
 # --- running ------------------------------------------------------------------------------------
 class _GracefulServer(uvicorn.Server):
@@ -296,17 +310,22 @@ class _GracefulServer(uvicorn.Server):
             await engine_loop.abort_all()
             logger.warning("shutdown: cut %d request(s) still running (finish_reason "
                            "'abort')", cut)
-            deadline = time.monotonic() + 5.0
+            deadline = time.monotonic() + _CLOSE_GRACE_S
             while engine_loop.num_requests_in_flight and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
         self.should_exit = True
 
 
 def run_server(engine: LLMEngine, config: ServerConfig, host: str, port: int,
-               log_level: str = "info") -> int:
+               log_level: str = "info", limit_concurrency: int | None = None,
+               timeout_keep_alive: float = 5.0) -> int:
     app = build_app(engine, config)
+    # NOTE: _drain has already given running requests --shutdown-timeout and cut the
+    # rest; what uvicorn still waits for is a client that does not read its cut stream
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                               timeout_graceful_shutdown=5, access_log=False)
+                               timeout_graceful_shutdown=_CLOSE_GRACE_S, access_log=False,
+                               limit_concurrency=limit_concurrency,
+                               timeout_keep_alive=timeout_keep_alive)
     server = _GracefulServer(uv_config, app.state.server)
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", config.model_name,
                 host, port)

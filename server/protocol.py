@@ -34,7 +34,8 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="allow")
+    # NOTE: strict: `"max_tokens": "4"` or `prompt: [true]` is a 400, not coerced
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -52,6 +53,7 @@ class _Sampling(BaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -64,7 +66,7 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -95,7 +97,8 @@ def sampling_params(req: _Sampling, max_tokens: int | None, logprobs: int | None
                               "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens,
                               "stop_token_ids": req.stop_token_ids or [],
                               "include_stop_str_in_output": req.include_stop_str_in_output,
-                              "logprobs": logprobs, "seed": req.seed}
+                              "logprobs": logprobs, "seed": req.seed,
+                              "prompt_logprobs": req.prompt_logprobs}
     for name in ("temperature", "top_p", "top_k"):
         if getattr(req, name) is not None:
             kwargs[name] = getattr(req, name)
@@ -154,7 +157,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             if any(part.get("type") != "text" for part in content):
                 raise BadRequest(f"messages[{i}].content: only text parts are supported",
                                  "messages")
-            content = "".join(part.get("text", "") for part in content)
+            if not all(isinstance(part.get("text"), str) for part in content):
+                raise BadRequest(f"messages[{i}].content: a text part's text must be a "
+                                 "string", "messages")
+            content = "".join(part["text"] for part in content)
         out.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
     return out
 

@@ -1,0 +1,188 @@
+"""Request preparation, off the event loop: a body's bytes -> the engine prompts and the
+``SamplingParams`` to submit.
+
+Everything whose cost grows with a request runs here, in a worker thread of `Preparer`'s
+pool, never on the event loop: JSON parsing and validation, the operator limits, the chat
+template (a request's own one under a deadline) and tokenizing. The engine owner only
+receives prompts already tokenized and checked against ``max_model_len``; detokenizing
+happens in the engine's own step, also beside the loop. NOTE: this is the part that moves
+beside the engine when the engine gets a process of its own: its inputs are bytes, its
+outputs plain data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import dataclasses
+import threading
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from rung.runtime import SamplingParams, apply_chat_template
+from rung.server import limits as limits_mod
+from rung.server.limits import ServerLimits
+from rung.server.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_messages,
+    completion_prompts,
+    sampling_params,
+)
+from rung.server.streaming import HTTPError
+
+
+@dataclasses.dataclass
+class Prepared:
+    req: Any                          # CompletionRequest | ChatCompletionRequest
+    prompts: list[dict]               # {"prompt", "prompt_token_ids"} each
+    params: SamplingParams
+    num_top: int = 0                  # chat: top_logprobs per token
+
+
+class TemplateTimeout(Exception):
+    """Raised inside the rendering thread when its deadline passes."""
+
+
+class Preparer:
+    """Parses, checks, templates and tokenizes requests in a small thread pool."""
+
+    def __init__(self, engine: Any, model_name: str, chat_template: str | None,
+                 limits: ServerLimits, num_workers: int = 2) -> None:
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.model_path = engine.config.model
+        self.model_name = model_name
+        self.chat_template = chat_template
+        self.limits = limits
+        self.pool = concurrent.futures.ThreadPoolExecutor(num_workers,
+                                                          thread_name_prefix="rung-prepare")
+
+    async def completion(self, body: bytes) -> Prepared:
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, self._completion, body)
+
+    async def chat(self, body: bytes) -> Prepared:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self._chat, body)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- worker threads ---------------------------------------------------------------------
+    def _completion(self, body: bytes) -> Prepared:
+        req = _parse(CompletionRequest, body)
+        self._check(req)
+        prompts = [self._tokenize(p, "prompt") for p in completion_prompts(req)]
+        params = sampling_params(req, req.max_tokens, req.logprobs)
+        self._check_length(prompts, params, "prompt")
+        return Prepared(req, prompts, params)
+
+    def _chat(self, body: bytes) -> Prepared:
+        req = _parse(ChatCompletionRequest, body)
+        self._check(req)
+        messages = chat_messages(req)
+        template = req.chat_template or self.chat_template
+        render = lambda: apply_chat_template(  # noqa: E731
+            self.tokenizer, messages, template, req.add_generation_prompt, self.model_path)
+        try:
+            if req.chat_template is not None:
+                prompt = _with_deadline(render, self.limits.chat_template_timeout_s)
+            else:
+                prompt = render()
+        except TemplateTimeout:
+            raise BadRequest(f"chat_template did not render within "
+                             f"{self.limits.chat_template_timeout_s} s "
+                             "(--chat-template-timeout)", "chat_template") from None
+        except BadRequest:
+            raise
+        except Exception as e:      # noqa: BLE001 - a template's own error is the client's
+            field = "chat_template" if req.chat_template is not None else "messages"
+            raise BadRequest(f"chat template failed: {type(e).__name__}: {e}", field) from None
+        if req.max_completion_tokens is not None:
+            max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, field = req.max_tokens, "max_tokens"
+        num_top = req.top_logprobs or 0
+        try:
+            params = sampling_params(req, max_tokens, num_top if req.logprobs else None)
+        except BadRequest as e:
+            if e.param == "max_tokens":
+                e.param = field
+            raise
+        self._check_length([prompt], params, "messages")
+        return Prepared(req, [prompt], params, num_top)
+
+    def _check(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise HTTPError(404, f"The model `{req.model}` does not exist; this server "
+                            f"serves `{self.model_name}`", "model")
+        limits_mod.check(req, self.limits)
+
+    def _tokenize(self, prompt: str | dict, field: str) -> dict:
+        """``{"prompt", "prompt_token_ids"}``, so usage and the length check are known
+        before the engine sees the request (it tokenizes text the same way)."""
+        if isinstance(prompt, dict):
+            return prompt
+        if not prompt:
+            raise BadRequest(f"{field} is empty: it must hold at least 1 token", field)
+        if self.tokenizer is None:
+            raise BadRequest(f"model {self.model_path!r} has no tokenizer: send token ids",
+                             field)
+        return {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
+
+    def _check_length(self, prompts: list[dict], params: SamplingParams, field: str) -> None:
+        for p in prompts:
+            num = len(p["prompt_token_ids"])
+            if num > self.max_model_len:
+                raise BadRequest(f"{field} has {num} tokens, longer than max_model_len="
+                                 f"{self.max_model_len}", field)
+            if params.max_tokens is not None and num + params.max_tokens > self.max_model_len:
+                raise BadRequest(f"max_tokens={params.max_tokens} plus the {num} prompt "
+                                 f"tokens is more than max_model_len={self.max_model_len}",
+                                 "max_tokens")
+
+
+def _parse(model: type[BaseModel], body: bytes) -> Any:
+    """The validated request, or a 400 naming the first bad field (malformed JSON and
+    lone surrogates included: the JSON parser refuses both)."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        err = e.errors()[0] if e.errors() else {}
+        if err.get("type") == "json_invalid":
+            raise BadRequest(f"malformed JSON body: {err.get('msg', '')}") from None
+        loc = [str(x) for x in err.get("loc", ())]
+        raise BadRequest(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}",
+                         loc[0] if loc else None) from None
+
+
+def _with_deadline(fn, timeout_s: float) -> Any:
+    """``fn()`` in this thread, interrupted with TemplateTimeout after ``timeout_s``.
+
+    NOTE: the interrupt is an asynchronous exception, delivered between two bytecodes, so
+    it stops any Python loop (a template is compiled to Python); the lock makes sure it is
+    never delivered once ``fn`` has returned."""
+    thread_id = ctypes.c_ulong(threading.get_ident())
+    lock = threading.Lock()
+    state = {"done": False, "fired": False}
+
+    def fire() -> None:
+        with lock:
+            if not state["done"]:
+                state["fired"] = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(thread_id,
+                                                           ctypes.py_object(TemplateTimeout))
+
+    timer = threading.Timer(timeout_s, fire)
+    timer.start()
+    try:
+        return fn()
+    finally:
+        timer.cancel()
+        with lock:
+            state["done"] = True
+            if state["fired"]:      # not raised yet: withdraw it
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(thread_id, None)
