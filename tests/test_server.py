@@ -1,9 +1,10 @@
 """`rung serve`: the real server in a subprocess on 127.0.0.1, driven by the official openai
 client; its greedy text is held to `LLM.generate` on the same preset in this process.
 
-Two servers per module: the main one (tiny-llama, eager, with an engine fault that a
-marked prompt triggers) and a small one with an API key, one sequence and no queue (401,
-503, SIGTERM).
+Three servers per module: the main one (tiny-llama, eager, with an engine fault that a
+marked prompt triggers, default operator limits), one that trusts request chat templates
+with small limits (what a hostile client may try), and a small one with an API key, one
+sequence and no queue (401, 503, SIGTERM).
 """
 
 from __future__ import annotations
@@ -96,6 +97,29 @@ class Server:
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
 
+    def post(self, path: str, body: dict) -> tuple[int, dict]:
+        return self.post_raw(path, json.dumps(body).encode())
+
+    def get_status(self, path: str) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def health_latency_while(self, work) -> tuple[float, object]:
+        """The longest /health answer while ``work()`` runs in another thread, and what
+        ``work`` returned."""
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(work)
+            worst = 0.0
+            while not future.done():
+                t = time.perf_counter()
+                self.get("/health")
+                worst = max(worst, time.perf_counter() - t)
+                time.sleep(0.02)
+            return worst, future.result()
+
     def client(self, api_key: str = "none") -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0,
                              timeout=60)
@@ -119,6 +143,16 @@ class Server:
 def server(tmp_path_factory):
     s = Server(tmp_path_factory.mktemp("serve"), "--max-num-seqs", "32",
                "--chat-template", _template_file(tmp_path_factory), fault=True)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    """A server that trusts request templates, with small limits a test can pass."""
+    s = Server(tmp_path_factory.mktemp("hostile"), "--trust-request-chat-template",
+               "--chat-template-timeout", "1", "--max-request-body-bytes", "100000",
+               "--request-body-timeout", "1", "--max-n", "4")
     yield s
     s.stop()
 
@@ -329,3 +363,148 @@ def test_bench_serve_runs_both_sides_on_the_same_load(tmp_path):
         assert r["generate_num_tokens"] == r["serve_num_tokens"] == 4 * r["streams"]
         assert r["serve_tokens_per_s"] > 0 and r["serve_ttft_ms_p50"] > 0
     assert "2 streams: tokens/s generate" in run.stdout
+
+
+# --- a hostile client ----------------------------------------------------------------------------
+def _refused(server: Server, path: str, body: dict) -> dict:
+    status, out = server.post(path, body)
+    assert status == 400, (status, out)
+    return out["error"]
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """One whole HTTP answer (headers and a Content-Length body) from ``sock``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(4096)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+    while len(body) < length:
+        body += sock.recv(4096)
+    return head + b"\r\n\r\n" + body
+
+
+def test_operator_limits_refuse_with_a_400_naming_the_field_and_the_limit(server):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    cmpl = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    cases = [  # (path, body, param, limit in the message)
+        ("/v1/completions", {**cmpl, "n": 129}, "n", "128"),
+        ("/v1/completions", {**cmpl, "prompt": ["x"] * 257}, "prompt", "256"),
+        ("/v1/completions", {**cmpl, "logprobs": 21}, "logprobs", "20"),
+        ("/v1/completions", {**cmpl, "prompt_logprobs": 21}, "prompt_logprobs", "20"),
+        ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21},
+         "top_logprobs", "20"),
+        ("/v1/completions", {**cmpl, "stop": [str(i) for i in range(65)]}, "stop", "64"),
+        ("/v1/completions", {**cmpl, "stop": "x" * 1025}, "stop", "1024"),
+        ("/v1/completions", {**cmpl, "stop_token_ids": [5] * 257}, "stop_token_ids", "256"),
+        ("/v1/chat/completions", {**chat, "chat_template": "{{ 'x' }}"}, "chat_template",
+         "--trust-request-chat-template"),
+    ]
+    for path, body, param, limit in cases:
+        error = _refused(server, path, body)
+        assert error["param"] == param and limit in error["message"], (param, error)
+    # the defaults still serve what they allow
+    out = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+        logprobs=True, top_logprobs=20, n=2)
+    assert len(out.choices) == 2
+    assert len(out.choices[0].logprobs.content[0].top_logprobs) == 20
+
+
+def test_a_body_over_the_limit_or_trickled_is_refused_before_it_is_parsed(hostile):
+    error = _refused(hostile, "/v1/completions", {"model": MODEL, "prompt": "x" * 100_001})
+    assert "100000" in error["message"]
+    # no Content-Length: the limit holds on the bytes as they come
+    with socket.create_connection(("127.0.0.1", hostile.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"x" * 60_000
+        for _ in range(2):
+            sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        assert sock.recv(4096).startswith(b"HTTP/1.1 400")
+    # a body that never finishes arriving is cut after --request-body-timeout
+    with socket.create_connection(("127.0.0.1", hostile.port), timeout=10) as sock:
+        t = time.monotonic()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        answer = _answer(sock)
+        assert answer.startswith(b"HTTP/1.1 400") and b"request-body-timeout" in answer
+        assert time.monotonic() - t < 5
+
+
+def test_a_request_template_that_loops_is_cut_and_the_server_keeps_answering(hostile):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+            "chat_template": "{% for i in range(100000) %}{% for j in range(10000) %}"
+                             "{% endfor %}{% endfor %}x"}
+    t = time.monotonic()
+    worst, (status, out) = hostile.health_latency_while(
+        lambda: hostile.post("/v1/chat/completions", body))
+    assert status == 400 and out["error"]["param"] == "chat_template", out
+    assert "--chat-template-timeout" in out["error"]["message"]
+    assert time.monotonic() - t < 10
+    assert worst < 0.5, f"/health took {worst:.2f} s while the template ran"
+    # a template that fails at run time is the client's error, not the server's
+    error = _refused(hostile, "/v1/chat/completions", {**body, "chat_template": "{{ 1/0 }}"})
+    assert error["param"] == "chat_template" and "ZeroDivisionError" in error["message"]
+    # and a trusted template that works renders the request
+    out = hostile.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+        extra_body={"chat_template": TEMPLATE})
+    assert out.usage.prompt_tokens == len("<user>Hi\n<assistant>")
+
+
+def test_a_large_prompt_is_tokenized_off_the_event_loop(server):
+    prompt = "hello world " * 600_000            # 7.2 MB, under the default body limit
+    worst, (status, out) = server.health_latency_while(
+        lambda: server.post("/v1/completions", {"model": MODEL, "prompt": prompt}))
+    assert status == 400 and "max_model_len" in out["error"]["message"]
+    assert worst < 0.3, f"/health took {worst:.2f} s while the prompt was tokenized"
+
+
+def test_client_mistakes_are_openai_400s_and_404s_not_500s(server, hostile):
+    chat = {"model": MODEL, "max_tokens": 1}
+    raw = [b'{"model": "tiny-llama", "prompt": "\\ud800", "max_tokens": 1}',
+           b'{"model": "\\ud800", "prompt": "Hi", "max_tokens": 1}']
+    for body in raw:
+        status, out = server.post_raw("/v1/completions", body)
+        assert status == 400 and "error" in out, out
+    status, out = server.post_raw(
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "\\udc00"}], "max_tokens": 1}')
+    assert status == 400 and "error" in out, out
+    error = _refused(server, "/v1/chat/completions", {**chat, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": 5}]}]})
+    assert error["param"] == "messages"
+    # strict types: nothing is coerced
+    assert _refused(server, "/v1/completions", {"prompt": "Hi", "max_tokens": "4"}
+                    )["param"] == "max_tokens"
+    assert _refused(server, "/v1/completions", {"prompt": [True, False], "max_tokens": 1}
+                    )["param"] == "prompt"
+    # max_completion_tokens=0 is not ignored in favour of max_tokens
+    error = _refused(server, "/v1/chat/completions", {
+        **chat, "max_completion_tokens": 0, "messages": [{"role": "user", "content": "Hi"}]})
+    assert error["param"] == "max_completion_tokens"
+    status, out = server.get_status("/v1/no-such-route")
+    assert status == 404 and out["error"]["code"] == 404
+    assert hostile.get_status("/v1/completions")[1]["error"]["code"] == 405
+
+
+def test_metrics_label_routes_not_raw_paths(server):
+    for i in range(5):
+        server.get_status(f"/v1/made-up-{i}")
+    text = server.get("/metrics")
+    assert "made-up" not in text
+    assert re.search(r'rung:requests_total\{[^}]*endpoint="unmatched"[^}]*status_code="404"',
+                     text)
+
+
+def test_prompt_logprobs_are_returned_as_vllm_does(server, llm):
+    out = server.client().completions.create(model=MODEL, prompt="The sky is", max_tokens=1,
+                                             extra_body={"prompt_logprobs": 2})
+    got = out.choices[0].model_extra["prompt_logprobs"]
+    ref = llm.generate("The sky is", SamplingParams(max_tokens=1, prompt_logprobs=2),
+                       use_tqdm=False)[0]
+    assert len(got) == len(ref.prompt_token_ids) and got[0] is None
+    for entry, want, token in zip(got[1:], ref.prompt_logprobs[1:], ref.prompt_token_ids[1:]):
+        assert str(token) in entry                  # the actual token, plus the top 2
+        assert entry[str(token)]["logprob"] == pytest.approx(want[token].logprob, abs=1e-4)
