@@ -458,10 +458,10 @@ def test_a_large_prompt_is_tokenized_off_the_event_loop(server):
     worst, (status, out) = server.health_latency_while(
         lambda: server.post("/v1/completions", {"model": MODEL, "prompt": prompt}))
     assert status == 400 and "max_model_len" in out["error"]["message"]
-    assert worst < 0.3, f"/health took {worst:.2f} s while the prompt was tokenized"
+    assert worst < 0.4, f"/health took {worst:.2f} s while the prompt was tokenized"
 
 
-def test_client_mistakes_are_openai_400s_and_404s_not_500s(server, hostile):
+def test_client_mistakes_are_openai_400s_and_404s_not_500s(server):
     chat = {"model": MODEL, "max_tokens": 1}
     raw = [b'{"model": "tiny-llama", "prompt": "\\ud800", "max_tokens": 1}',
            b'{"model": "\\ud800", "prompt": "Hi", "max_tokens": 1}']
@@ -486,7 +486,7 @@ def test_client_mistakes_are_openai_400s_and_404s_not_500s(server, hostile):
     assert error["param"] == "max_completion_tokens"
     status, out = server.get_status("/v1/no-such-route")
     assert status == 404 and out["error"]["code"] == 404
-    assert hostile.get_status("/v1/completions")[1]["error"]["code"] == 405
+    assert server.get_status("/v1/completions")[1]["error"]["code"] == 405
 
 
 def test_metrics_label_routes_not_raw_paths(server):
