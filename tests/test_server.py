@@ -127,7 +127,13 @@ class Server:
     def health(self) -> dict:
         return json.loads(self.get("/health"))
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, label: str = "") -> float:
+        """The first sample of ``name`` whose labels contain ``label`` (e.g.
+        'finished_reason="abort"'); 0 when there is none yet."""
+        if label:
+            m = re.search(rf"^{re.escape(name)}{{[^}}]*{re.escape(label)}[^}}]*}} (\S+)$",
+                          self.get("/metrics"), re.M)
+            return 0.0 if m is None else float(m.group(1))
         m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", self.get("/metrics"), re.M)
         assert m is not None, f"{name} not in /metrics"
         return float(m.group(1))
@@ -303,6 +309,7 @@ def test_24_concurrent_streams_each_get_generates_greedy_text(server, llm):
 
 def test_a_client_that_hangs_up_mid_stream_frees_its_kv_blocks(server):
     client = server.client()
+    aborted = server.metric("rung:request_success_total", 'finished_reason="abort"')
     chunks = client.completions.create(model=MODEL, prompt="Tell me a long story",
                                        max_tokens=200, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
@@ -318,6 +325,8 @@ def test_a_client_that_hangs_up_mid_stream_frees_its_kv_blocks(server):
     assert health["num_running"] == 0 and health["kv_free_blocks"] == health["kv_total_blocks"]
     assert server.metric("rung:kv_cache_free_blocks") == server.metric(
         "rung:kv_cache_total_blocks")
+    assert server.metric("rung:request_success_total",       # the hang-up counts as an abort
+                         'finished_reason="abort"') == aborted + 1
     out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3)
     assert out.usage.completion_tokens >= 1
 
@@ -508,3 +517,29 @@ def test_prompt_logprobs_are_returned_as_vllm_does(server, llm):
     for entry, want, token in zip(got[1:], ref.prompt_logprobs[1:], ref.prompt_token_ids[1:]):
         assert str(token) in entry                  # the actual token, plus the top 2
         assert entry[str(token)]["logprob"] == pytest.approx(want[token].logprob, abs=1e-4)
+
+
+def test_clients_that_do_not_read_neither_hold_shutdown_nor_crash_it(tmp_path):
+    s = Server(tmp_path, "--shutdown-timeout", "1")
+    body = json.dumps({"prompt": "Go", "max_tokens": 240, "n": 16, "logprobs": 20,
+                       "stream": True, "ignore_eos": True, "temperature": 0}).encode()
+    socks = []
+    try:
+        for _ in range(2):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)   # and never read
+            sock.connect(("127.0.0.1", s.port))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            socks.append(sock)
+        time.sleep(6)                  # the server's send buffers fill
+        t = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(30) == 0
+        assert time.monotonic() - t < 1 + 4, "shutdown waited on clients that do not read"
+        assert "Traceback" not in s.output()
+    finally:
+        for sock in socks:
+            sock.close()
+        s.stop()
