@@ -57,6 +57,8 @@ def _add_limit_args(serve: argparse.ArgumentParser) -> None:
                        help="most characters in one stop string")
     serve.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
                        help="most stop_token_ids per request")
+    serve.add_argument("--max-messages", type=int, default=d.max_messages,
+                       help="most chat messages per request")
     serve.add_argument("--max-request-body-bytes", type=int,
                        default=d.max_request_body_bytes,
                        help="largest request body, checked before it is parsed")
@@ -139,7 +141,7 @@ def _limits(args: argparse.Namespace):
                   max_prompts_per_request=args.max_prompts_per_request,
                   max_logprobs=args.max_logprobs, max_stop=args.max_stop,
                   max_stop_str_len=args.max_stop_str_len,
-                  max_stop_token_ids=args.max_stop_token_ids)
+                  max_stop_token_ids=args.max_stop_token_ids, max_messages=args.max_messages)
     for name, value in values.items():
         if value < 0:
             raise ValueError(f"--{name.replace('_', '-')} {value} must be >= 0")

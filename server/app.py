@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import hmac
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -274,6 +275,7 @@ def _sse(events: AsyncIterator[str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache"})
 
 
+GIL_SWITCH_INTERVAL_S = 0.0005
 _CLOSE_GRACE_S = 1.0      # after the drain: cut streams get this long to reach their client
 
 # --- running ------------------------------------------------------------------------------------
@@ -310,16 +312,35 @@ class _GracefulServer(uvicorn.Server):
             await engine_loop.abort_all()
             logger.warning("shutdown: cut %d request(s) still running (finish_reason "
                            "'abort')", cut)
-            deadline = time.monotonic() + _CLOSE_GRACE_S
-            while engine_loop.num_requests_in_flight and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
+        deadline = time.monotonic() + _CLOSE_GRACE_S
+        while self._answering() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        # NOTE: a client that does not read holds its answer in a blocked send; dropping
+        # its connection ends the send, so the exit is not held past the grace
+        stuck = self._answering()
+        if stuck:
+            logger.warning("shutdown: dropping %d connection(s) whose client does not "
+                           "read", len(stuck))
+        for connection in stuck:
+            connection.transport.abort()
         self.should_exit = True
+
+    def _answering(self) -> list:
+        """Connections with an answer not fully sent."""
+        return [c for c in self.server_state.connections
+                if getattr(c, "transport", None) is not None
+                and getattr(c, "cycle", None) is not None
+                and not getattr(c.cycle, "response_complete", True)]
 
 
 def run_server(engine: LLMEngine, config: ServerConfig, host: str, port: int,
                log_level: str = "info", limit_concurrency: int | None = None,
                timeout_keep_alive: float = 5.0) -> int:
     app = build_app(engine, config)
+    # NOTE: the engine thread gives the GIL up around every torch op and must take it back
+    # from whoever holds it (the event loop, a preparing worker); with the default 5 ms
+    # interval a busy neighbour makes every step wait that long many times over
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     # NOTE: _drain has already given running requests --shutdown-timeout and cut the
     # rest; what uvicorn still waits for is a client that does not read its cut stream
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,

@@ -3,7 +3,8 @@ it reaches the engine.
 
 Each limit is a flag with a safe default (vLLM's name where vLLM has one); a request over
 one is a 400 whose body names the field and the limit. The body size is checked while the
-body arrives, before it is parsed (`read_body`); the rest once it is parsed (`check`).
+body arrives, before it is parsed (`read_body`); list lengths once it is parsed and before
+it is validated (`check_sizes`); the rest once it is validated (`check`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class ServerLimits:
     max_stop: int = 64                     # stop strings per request
     max_stop_str_len: int = 1024           # characters per stop string
     max_stop_token_ids: int = 256
+    max_messages: int = 4096               # chat messages per request
     trust_request_chat_template: bool = False
     chat_template_timeout_s: float = 2.0   # a request's (trusted) template renders this long
     request_body_timeout_s: float = 30.0   # a trickled body is cut after this long
@@ -73,19 +75,37 @@ async def read_body(raw: Request, limits: ServerLimits) -> bytes:
     return b"".join(chunks)
 
 
+def check_sizes(body: dict, limits: ServerLimits) -> None:
+    """400 for a list over its limit, read from the parsed JSON before it is validated
+    (validating a list costs time in proportion to its length)."""
+    from rung.server.protocol import BadRequest
+
+    def length(field: str) -> int:
+        value = body.get(field)
+        return len(value) if isinstance(value, list) else 0
+
+    prompt = body.get("prompt")
+    one_prompt = not isinstance(prompt, list) or not prompt or isinstance(prompt[0], int)
+    for field, num, limit, flag in (
+            ("prompt", 1 if one_prompt else len(prompt), limits.max_prompts_per_request,
+             "max-prompts-per-request"),
+            ("messages", length("messages"), limits.max_messages, "max-messages"),
+            ("stop", length("stop"), limits.max_stop, "max-stop"),
+            ("stop_token_ids", length("stop_token_ids"), limits.max_stop_token_ids,
+             "max-stop-token-ids")):
+        if num > limit:
+            raise BadRequest(f"{field} holds {num} entries, over this server's limit of "
+                             f"{limit} (--{flag})", field)
+
+
 def check(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits) -> None:
-    """400 for the first field over a limit."""
+    """400 for the first field over a limit, once ``req`` is validated (list lengths:
+    `check_sizes`)."""
     from rung.server.protocol import BadRequest, CompletionRequest
 
     if req.n > limits.max_n:
         raise _over("n", req.n, limits.max_n, "max-n")
     if isinstance(req, CompletionRequest):
-        p = req.prompt
-        num_prompts = 1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p)
-        if num_prompts > limits.max_prompts_per_request:
-            raise BadRequest(f"prompt holds {num_prompts} prompts, over this server's limit "
-                             f"of {limits.max_prompts_per_request} "
-                             "(--max-prompts-per-request)", "prompt")
         logprobs = {"logprobs": req.logprobs}
     else:
         logprobs = {"top_logprobs": req.top_logprobs}
@@ -98,15 +118,7 @@ def check(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits) 
         if value is not None and value > limits.max_logprobs:
             raise _over(field, value, limits.max_logprobs, "max-logprobs")
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    if len(stop) > limits.max_stop:
-        raise BadRequest(f"stop holds {len(stop)} strings, over this server's limit of "
-                         f"{limits.max_stop} (--max-stop)", "stop")
     longest = max((len(s) for s in stop), default=0)
     if longest > limits.max_stop_str_len:
         raise BadRequest(f"stop holds a string of {longest} characters, over this server's "
                          f"limit of {limits.max_stop_str_len} (--max-stop-str-len)", "stop")
-    num_ids = len(req.stop_token_ids or [])
-    if num_ids > limits.max_stop_token_ids:
-        raise BadRequest(f"stop_token_ids holds {num_ids} ids, over this server's limit of "
-                         f"{limits.max_stop_token_ids} (--max-stop-token-ids)",
-                         "stop_token_ids")

@@ -19,6 +19,7 @@ import dataclasses
 import threading
 from typing import Any
 
+import pydantic_core
 from pydantic import BaseModel, ValidationError
 
 from rung.runtime import SamplingParams, apply_chat_template
@@ -73,7 +74,7 @@ class Preparer:
 
     # --- worker threads ---------------------------------------------------------------------
     def _completion(self, body: bytes) -> Prepared:
-        req = _parse(CompletionRequest, body)
+        req = _parse(CompletionRequest, body, self.limits)
         self._check(req)
         prompts = [self._tokenize(p, "prompt") for p in completion_prompts(req)]
         params = sampling_params(req, req.max_tokens, req.logprobs)
@@ -81,7 +82,7 @@ class Preparer:
         return Prepared(req, prompts, params)
 
     def _chat(self, body: bytes) -> Prepared:
-        req = _parse(ChatCompletionRequest, body)
+        req = _parse(ChatCompletionRequest, body, self.limits)
         self._check(req)
         messages = chat_messages(req)
         template = req.chat_template or self.chat_template
@@ -145,15 +146,22 @@ class Preparer:
                                  "max_tokens")
 
 
-def _parse(model: type[BaseModel], body: bytes) -> Any:
+def _parse(model: type[BaseModel], body: bytes, limits: ServerLimits) -> Any:
     """The validated request, or a 400 naming the first bad field (malformed JSON and
-    lone surrogates included: the JSON parser refuses both)."""
+    lone surrogates included: the JSON parser refuses both). NOTE: parsed first and
+    validated after the list limits: validating JSON directly into the prompt's union
+    type is much slower, and a list's cost is only bounded once its length is checked."""
     try:
-        return model.model_validate_json(body)
+        data = pydantic_core.from_json(body)
+    except ValueError as e:
+        raise BadRequest(f"malformed JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise BadRequest(f"the body must be a JSON object, not {type(data).__name__}")
+    limits_mod.check_sizes(data, limits)
+    try:
+        return model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0] if e.errors() else {}
-        if err.get("type") == "json_invalid":
-            raise BadRequest(f"malformed JSON body: {err.get('msg', '')}") from None
         loc = [str(x) for x in err.get("loc", ())]
         raise BadRequest(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}",
                          loc[0] if loc else None) from None
