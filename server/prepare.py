@@ -3,8 +3,9 @@
 
 Everything whose cost grows with a request runs here, in a worker thread of `Preparer`'s
 pool, never on the event loop: JSON parsing and validation, the operator limits, the chat
-template (a request's own one under a deadline) and tokenizing. The engine owner only
-receives prompts already tokenized and checked against ``max_model_len``; detokenizing
+template (a request's own one in a sandbox process, under a deadline) and tokenizing. The
+engine owner only receives prompts already tokenized and checked against
+``max_model_len``; detokenizing
 happens in the engine's own step, also beside the loop. NOTE: this is the part that moves
 beside the engine when the engine gets a process of its own: its inputs are bytes, its
 outputs plain data.
@@ -14,9 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
 import dataclasses
-import threading
 from typing import Any
 
 import pydantic_core
@@ -34,6 +33,7 @@ from rung.server.protocol import (
     sampling_params,
 )
 from rung.server.streaming import HTTPError
+from rung.server.template_sandbox import TemplateRenderer, TemplateTimeout
 
 
 @dataclasses.dataclass
@@ -42,10 +42,6 @@ class Prepared:
     prompts: list[dict]               # {"prompt", "prompt_token_ids"} each
     params: SamplingParams
     num_top: int = 0                  # chat: top_logprobs per token
-
-
-class TemplateTimeout(Exception):
-    """Raised inside the rendering thread when its deadline passes."""
 
 
 class Preparer:
@@ -61,6 +57,7 @@ class Preparer:
         self.limits = limits
         self.pool = concurrent.futures.ThreadPoolExecutor(num_workers,
                                                           thread_name_prefix="rung-prepare")
+        self.renderer = TemplateRenderer(limits.chat_template_timeout_s)
 
     async def completion(self, body: bytes) -> Prepared:
         return await asyncio.get_running_loop().run_in_executor(
@@ -71,6 +68,7 @@ class Preparer:
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.renderer.close()
 
     # --- worker threads ---------------------------------------------------------------------
     def _completion(self, body: bytes) -> Prepared:
@@ -85,14 +83,13 @@ class Preparer:
         req = _parse(ChatCompletionRequest, body, self.limits)
         self._check(req)
         messages = chat_messages(req)
-        template = req.chat_template or self.chat_template
-        render = lambda: apply_chat_template(  # noqa: E731
-            self.tokenizer, messages, template, req.add_generation_prompt, self.model_path)
         try:
             if req.chat_template is not None:
-                prompt = _with_deadline(render, self.limits.chat_template_timeout_s)
+                prompt = self._render_request_template(req.chat_template, messages,
+                                                       req.add_generation_prompt)
             else:
-                prompt = render()
+                prompt = apply_chat_template(self.tokenizer, messages, self.chat_template,
+                                             req.add_generation_prompt, self.model_path)
         except TemplateTimeout:
             raise BadRequest(f"chat_template did not render within "
                              f"{self.limits.chat_template_timeout_s} s "
@@ -115,6 +112,20 @@ class Preparer:
             raise
         self._check_length([prompt], params, "messages")
         return Prepared(req, [prompt], params, num_top)
+
+    def _render_request_template(self, template: str, messages: list[dict],
+                                 add_generation_prompt: bool) -> dict:
+        """A client's template renders in the sandbox process (rung.server.
+        template_sandbox); the server's own renders here, as LLM.chat does."""
+        tok = self.tokenizer
+        if tok is None:
+            raise BadRequest(f"model {self.model_path!r} has no tokenizer to apply a chat "
+                             "template with", "messages")
+        text = self.renderer.render(template, messages, add_generation_prompt,
+                                    tok.id_to_token(tok.bos_token_id),
+                                    tok.id_to_token(tok.eos_token_id))
+        # NOTE: as apply_chat_template: the template writes the special tokens it wants
+        return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
 
     def _check(self, req: CompletionRequest | ChatCompletionRequest) -> None:
         if req.model is not None and req.model != self.model_name:
@@ -165,32 +176,3 @@ def _parse(model: type[BaseModel], body: bytes, limits: ServerLimits) -> Any:
         loc = [str(x) for x in err.get("loc", ())]
         raise BadRequest(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}",
                          loc[0] if loc else None) from None
-
-
-def _with_deadline(fn, timeout_s: float) -> Any:
-    """``fn()`` in this thread, interrupted with TemplateTimeout after ``timeout_s``.
-
-    NOTE: the interrupt is an asynchronous exception, delivered between two bytecodes, so
-    it stops any Python loop (a template is compiled to Python); the lock makes sure it is
-    never delivered once ``fn`` has returned."""
-    thread_id = ctypes.c_ulong(threading.get_ident())
-    lock = threading.Lock()
-    state = {"done": False, "fired": False}
-
-    def fire() -> None:
-        with lock:
-            if not state["done"]:
-                state["fired"] = True
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(thread_id,
-                                                           ctypes.py_object(TemplateTimeout))
-
-    timer = threading.Timer(timeout_s, fire)
-    timer.start()
-    try:
-        return fn()
-    finally:
-        timer.cancel()
-        with lock:
-            state["done"] = True
-            if state["fired"]:      # not raised yet: withdraw it
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(thread_id, None)

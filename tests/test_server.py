@@ -455,6 +455,10 @@ def test_a_request_template_that_loops_is_cut_and_the_server_keeps_answering(hos
     # a template that fails at run time is the client's error, not the server's
     error = _refused(hostile, "/v1/chat/completions", {**body, "chat_template": "{{ 1/0 }}"})
     assert error["param"] == "chat_template" and "ZeroDivisionError" in error["message"]
+    # one C call that builds 4 GB: the renderer's memory cap, not the server's, is hit
+    error = _refused(hostile, "/v1/chat/completions",
+                     {**body, "chat_template": "{{ 'x' * 4000000000 }}"})
+    assert error["param"] == "chat_template" and "Memory" in error["message"]
     # and a trusted template that works renders the request
     out = hostile.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
