@@ -100,7 +100,7 @@ def _read_line(stream, deadline: float) -> bytes | None:
 
 def _child_main() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_BYTES, CHILD_MEMORY_BYTES))
-    from rung.models.chat_template import render_chat
+    from rung.runtime import render_chat
 
     for line in sys.stdin.buffer:
         template, messages, add_generation_prompt, bos, eos = json.loads(line)
