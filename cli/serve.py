@@ -65,6 +65,9 @@ def _add_limit_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--request-body-timeout", type=float,
                        default=d.request_body_timeout_s,
                        help="seconds a request body may take to arrive")
+    serve.add_argument("--request-header-timeout", type=float,
+                       default=d.request_header_timeout_s,
+                       help="seconds a connection may take to send a request's head")
     serve.add_argument("--limit-concurrency", type=int, default=512,
                        help="most open connections and tasks (uvicorn's); more get 503")
     serve.add_argument("--timeout-keep-alive", type=float, default=5.0,
@@ -147,6 +150,7 @@ def _limits(args: argparse.Namespace):
             raise ValueError(f"--{name.replace('_', '-')} {value} must be >= 0")
     for flag, value in (("--chat-template-timeout", args.chat_template_timeout),
                         ("--request-body-timeout", args.request_body_timeout),
+                        ("--request-header-timeout", args.request_header_timeout),
                         ("--timeout-keep-alive", args.timeout_keep_alive)):
         if value <= 0:
             raise ValueError(f"{flag} {value} must be > 0")
@@ -154,7 +158,8 @@ def _limits(args: argparse.Namespace):
         raise ValueError(f"--limit-concurrency {args.limit_concurrency} must be >= 1")
     return ServerLimits(**values, trust_request_chat_template=args.trust_request_chat_template,
                         chat_template_timeout_s=args.chat_template_timeout,
-                        request_body_timeout_s=args.request_body_timeout)
+                        request_body_timeout_s=args.request_body_timeout,
+                        request_header_timeout_s=args.request_header_timeout)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

@@ -282,12 +282,33 @@ _CLOSE_GRACE_S = 1.0      # after the drain: cut streams get this long to reach 
 class _GracefulServer(uvicorn.Server):
     """SIGTERM / SIGINT: refuse new requests, let running ones finish for
     ``shutdown_timeout_s``, cut the rest (finish_reason "abort"), then exit. A second
-    signal exits at once."""
+    signal exits at once. And a header timeout, which uvicorn has not: a connection that
+    has not sent a whole request head within ``request_header_timeout_s`` is closed."""
 
     def __init__(self, config: uvicorn.Config, server: _Server) -> None:
         super().__init__(config)
         self.rung = server
         self._drain_started = False
+        self._waiting_since: dict[Any, float] = {}     # connection -> waiting for a head
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        self._sweeper = asyncio.ensure_future(self._sweep_slow_heads())
+
+    async def _sweep_slow_heads(self) -> None:
+        timeout_s = self.rung.config.limits.request_header_timeout_s
+        while not self.should_exit:
+            await asyncio.sleep(min(timeout_s / 4, 1.0))
+            now_s, seen = time.monotonic(), {}
+            for c in self.server_state.connections:
+                cycle = getattr(c, "cycle", None)
+                # NOTE: an idle keep-alive connection has uvicorn's own timer running
+                if (cycle is None or cycle.response_complete) and getattr(
+                        c, "timeout_keep_alive_task", None) is None:
+                    seen[c] = self._waiting_since.get(c, now_s)
+                    if now_s - seen[c] > timeout_s and c.transport is not None:
+                        c.transport.abort()
+            self._waiting_since = seen
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self._drain_started:

@@ -35,6 +35,7 @@ class ServerLimits:
     trust_request_chat_template: bool = False
     chat_template_timeout_s: float = 2.0   # a request's (trusted) template renders this long
     request_body_timeout_s: float = 30.0   # a trickled body is cut after this long
+    request_header_timeout_s: float = 10.0  # a request head not whole by then: closed
 
 
 def _over(field: str, value: int, limit: int, flag: str) -> Exception:

@@ -158,7 +158,8 @@ def hostile(tmp_path_factory):
     """A server that trusts request templates, with small limits a test can pass."""
     s = Server(tmp_path_factory.mktemp("hostile"), "--trust-request-chat-template",
                "--chat-template-timeout", "1", "--max-request-body-bytes", "100000",
-               "--request-body-timeout", "1", "--max-n", "4")
+               "--request-body-timeout", "1", "--request-header-timeout", "1",
+               "--max-n", "4")
     yield s
     s.stop()
 
@@ -438,6 +439,12 @@ def test_a_body_over_the_limit_or_trickled_is_refused_before_it_is_parsed(hostil
                      b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
         answer = _answer(sock)
         assert answer.startswith(b"HTTP/1.1 400") and b"request-body-timeout" in answer
+        assert time.monotonic() - t < 5
+    # and a request head that never ends is closed after --request-header-timeout
+    with socket.create_connection(("127.0.0.1", hostile.port), timeout=10) as sock:
+        t = time.monotonic()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        assert sock.recv(4096) == b""                  # closed by the server
         assert time.monotonic() - t < 5
 
 
