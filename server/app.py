@@ -21,7 +21,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -38,6 +38,7 @@ from rung.server.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     error_body,
     now,
     param_of,
@@ -120,7 +121,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def not_found(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(HTTPError(exc.status_code, str(exc.detail)))
+        return _error(HTTPError(exc.status_code, str(exc.detail)), exc.headers)
 
     @app.exception_handler(HTTPError)
     async def http_error(request: Request, exc: HTTPError) -> JSONResponse:
@@ -130,7 +131,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def bad_request(request: Request, exc: BadRequest) -> JSONResponse:
         return _error(HTTPError(400, str(exc), exc.param))
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"model": dict, "description": "shutting down"}})
     async def health() -> JSONResponse:
         stats = await server.engine_loop.stats()
         body = {"status": "draining" if server.draining else "ok",
@@ -140,13 +141,15 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                 "kv_used_blocks": stats["kv_used_blocks"]}
         return JSONResponse(body, status_code=503 if server.draining else 200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {}},
+                              "description": "Prometheus text format"}})
     async def metrics() -> Response:
         stats = await server.engine_loop.stats()
         return Response(server.metrics.render(stats),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(401))
     async def models() -> dict:
         return {"object": "list", "data": [
             {"id": config.model_name, "object": "model", "created": now(), "owned_by": "rung",
@@ -154,7 +157,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     defs: dict[str, Any] = {}           # the request bodies' schema definitions
 
-    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest, defs))
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest, defs),
+              responses=_errors(400, 401, 404, 500, 503, streams=True))
     async def completions(raw: Request):
         prepared = await server.preparer.completion(await read_body(raw, config.limits))
         req, prompts, params = prepared.req, prepared.prompts, prepared.params
@@ -172,7 +176,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
              **_prompt_logprobs(tracker, c, params)}
             for c in tracker.choices], "usage": tracker.usage()}
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest, defs))
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest, defs),
+              responses=_errors(400, 401, 404, 500, 503, streams=True))
     async def chat_completions(raw: Request):
         prepared = await server.preparer.chat(await read_body(raw, config.limits))
         req, prompt, params = prepared.req, prepared.prompts[0], prepared.params
@@ -245,8 +250,9 @@ class _AuthAndCount:
         m.requests.labels(m.model_name, label, str(status)).inc()
 
 
-def _error(exc: HTTPError) -> JSONResponse:
-    return JSONResponse(error_body(exc.message, exc.code, exc.param), status_code=exc.code)
+def _error(exc: HTTPError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(exc.message, exc.code, exc.param), status_code=exc.code,
+                        headers=headers)
 
 
 def _prompt_logprobs(tracker: Tracker, choice: Choice, params: SamplingParams) -> dict:
@@ -259,6 +265,22 @@ def _prompt_logprobs(tracker: Tracker, choice: Choice, params: SamplingParams) -
         None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
                                          "decoded_token": lp.decoded_token}
                                 for t, lp in e.items()} for e in entries]}
+
+
+_ERROR_WHEN = {400: "a bad request: the body names the field (and the limit)",
+               401: "missing or wrong API key", 404: "no such model",
+               500: "the engine failed this request", 503: "queue full or shutting down"}
+
+
+def _errors(*codes: int, streams: bool = False) -> dict[int | str, dict[str, Any]]:
+    """The documented answers: OpenAI's error body for each of ``codes``; with
+    ``streams``, a 200 that is JSON or server-sent events (``"stream": true``)."""
+    out: dict[int | str, dict[str, Any]] = {
+        code: {"model": ErrorResponse, "description": _ERROR_WHEN[code]} for code in codes}
+    if streams:
+        out[200] = {"description": "the completion, or its events when stream is true",
+                    "content": {"application/json": {}, "text/event-stream": {}}}
+    return out
 
 
 def _body_schema(model: type[BaseModel], defs: dict[str, Any]) -> dict:

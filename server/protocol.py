@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,6 +28,8 @@ class BadRequest(ValueError):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
@@ -57,7 +59,11 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # NOTE: the constraints are documented in /openapi.json; an empty prompt is a 400
+    prompt: (Annotated[str, Field(min_length=1)]
+             | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+             | Annotated[list[int], Field(min_length=1)]
+             | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)])
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -163,6 +169,19 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             content = "".join(part["text"] for part in content)
         out.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
     return out
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: every 4xx / 5xx of the server has this shape."""
+
+    error: ErrorInfo
 
 
 def error_body(message: str, code: int, param: str | None = None) -> dict[str, Any]:
