@@ -557,7 +557,7 @@ def test_clients_that_do_not_read_neither_hold_shutdown_nor_crash_it(tmp_path):
         s.stop()
 
 
-def test_a_schema_driven_fuzz_run_finds_no_5xx_and_no_contract_breach(hostile):
+def test_a_schema_driven_fuzz_run_finds_no_5xx_and_no_contract_breach(hostile, tmp_path):
     """schemathesis against /openapi.json: bounded, deterministic examples; every check
     but positive_data_acceptance, since a schema-valid request may still be refused for
     what the schema cannot say (its token count against max_model_len)."""
@@ -566,6 +566,6 @@ def test_a_schema_driven_fuzz_run_finds_no_5xx_and_no_contract_breach(hostile):
         [sys.executable, "-m", "schemathesis.cli", "run", hostile.url + "/openapi.json",
          "--max-examples", "20", "--generation-deterministic", "--request-timeout", "60",
          "--checks", "all", "--exclude-checks", "positive_data_acceptance"],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)   # it writes a cache
     assert run.returncode == 0, run.stdout[-6000:]
     assert "Tested: 5" in run.stdout
