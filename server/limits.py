@@ -65,7 +65,7 @@ async def read_body(raw: Request, limits: ServerLimits) -> bytes:
                                            max(deadline - time.monotonic(), 0.0))
         except StopAsyncIteration:
             break
-        except TimeoutError:
+        except asyncio.TimeoutError:   # NOTE: not the builtin TimeoutError before 3.11
             raise BadRequest(f"the body did not arrive within {limits.request_body_timeout_s}"
                              " s (--request-body-timeout)") from None
         size += len(chunk)

@@ -57,6 +57,10 @@ class Preparer:
         self.limits = limits
         self.pool = concurrent.futures.ThreadPoolExecutor(num_workers,
                                                           thread_name_prefix="rung-prepare")
+        # NOTE: requests with their own template wait here, one at a time (the renderer
+        # is one child), so they never hold the workers every other request needs
+        self.template_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="rung-template")
         self.renderer = TemplateRenderer(limits.chat_template_timeout_s)
 
     async def completion(self, body: bytes) -> Prepared:
@@ -64,10 +68,14 @@ class Preparer:
             self.pool, self._completion, body)
 
     async def chat(self, body: bytes) -> Prepared:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self._chat, body)
+        loop = asyncio.get_running_loop()
+        req = await loop.run_in_executor(self.pool, self._parse_chat, body)
+        executor = self.pool if req.chat_template is None else self.template_pool
+        return await loop.run_in_executor(executor, self._chat, req)
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.template_pool.shutdown(wait=False, cancel_futures=True)
         self.renderer.close()
 
     # --- worker threads ---------------------------------------------------------------------
@@ -79,9 +87,12 @@ class Preparer:
         self._check_length(prompts, params, "prompt")
         return Prepared(req, prompts, params)
 
-    def _chat(self, body: bytes) -> Prepared:
+    def _parse_chat(self, body: bytes) -> ChatCompletionRequest:
         req = _parse(ChatCompletionRequest, body, self.limits)
         self._check(req)
+        return req
+
+    def _chat(self, req: ChatCompletionRequest) -> Prepared:
         messages = chat_messages(req)
         try:
             if req.chat_template is not None:
