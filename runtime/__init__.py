@@ -17,6 +17,8 @@ _EXPORTS = {
     "Logprob": "rung.runtime.outputs",
     # conversation -> {"prompt", "prompt_token_ids"} with a model's chat template
     "apply_chat_template": "rung.models.chat_template",
+    # one conversation -> its prompt text (no tokenizer needed)
+    "render_chat": "rung.models.chat_template",
 }
 
 __all__ = list(_EXPORTS)
