@@ -61,7 +61,7 @@ class QuantLinear(nn.Module):
     """A linear layer (no bias) whose weight stays in a GGUF file's blocks.
 
     Stands in for ``nn.Linear`` / ``MergedLinear`` when a checkpoint holds the weight as
-    Q4_0 / Q4_1 / Q8_0 blocks: each shard arrives as a ``GGUFBlockWeight`` through
+    GGUF blocks (any type of ``KERNEL_TYPES``): each shard arrives as a ``GGUFBlockWeight`` through
     ``load_quantized``, and ``pack`` readies the whole [out, in] weight for the device's
     kernel once every shard is in. On an AVX2 CPU that is rung's own kernel
     (``kernels/gguf_cpu.py``: the blocks as they are, fp32 activations in and out);
@@ -74,7 +74,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, sum(shard_sizes)
         self.shard_sizes = shard_sizes
         self._pending: dict[int, GGUFBlockWeight] = {}
-        self.type_name = ""                             # "Q4_0" / "Q4_1" / "Q8_0" once packed
+        self.type_name = ""                             # its GGUF type ("Q4_K", ...) once packed
         self.kernel = ""                                # "rung" or "torch_int4" once packed
         # rung's kernel: the file's blocks, per row; torch's: (packed, scales_and_zeros)
         self.register_buffer("rows", None)              # [out, in // 32 * block bytes] uint8
@@ -109,9 +109,9 @@ class QuantLinear(nn.Module):
             load_kernel()       # NOTE: before any graph runs: it registers the op's CPU kernel
             self.rows = weight.rows
             return
-        if weight.bits != 4:
+        if weight.type_name not in ("Q4_0", "Q4_1"):
             raise ValueError(f"torch's int4 kernel on {device} cannot run {weight.bits}-bit "
-                             "blocks")
+                             f"blocks of {weight.type_name} (it runs Q4_0 and Q4_1)")
         scale = weight.scale()
         int4 = Int4Weight(weight.values().to(torch.uint8), scale,
                           weight.offset() + 8.0 * scale)          # (q - 8) s + z = s q + o
@@ -131,7 +131,7 @@ class QuantLinear(nn.Module):
 
 def quant_kernel(device: torch.device) -> str:
     """Which kernel a ``QuantLinear`` on ``device`` runs: "rung" (kernels/gguf_cpu.py,
-    Q4_0 / Q4_1 / Q8_0, any activation dtype) or "torch_int4" (4-bit, bfloat16)."""
+    every type of ``KERNEL_TYPES``, any activation dtype) or "torch_int4" (4-bit, bfloat16)."""
     return "rung" if device.type == "cpu" and gguf_cpu_available() is None else "torch_int4"
 
 
