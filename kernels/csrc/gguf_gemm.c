@@ -364,8 +364,8 @@ static inline __attribute__((always_inline)) __m256 dot_group(
 
 /* Non-legacy types, chunks of 8 groups (a K-quant's chunk is its super-block). */
 static inline __attribute__((always_inline)) void tile_groups(
-        int NB, int MB, int type, const Rounded *a, const uint8_t *weight, int64_t N,
-        int64_t n0, int64_t m0, float *out) {
+        int NB, int MB, int type, int PRE, const Rounded *a, const uint8_t *weight, int64_t N,
+        int64_t n0, int64_t m0, const int8_t *dec, int64_t dec_n0, float *out) {
     const int64_t G = a->G, S = G / 8, rb = row_bytes(type, G);
     const int has_z = type != Q6_K;
     const uint8_t *row[MAX_WROWS];
@@ -424,7 +424,9 @@ static inline __attribute__((always_inline)) void tile_groups(
             for (int j = 0; j < MB; ++j)
                 x[j] = _mm256_loadu_si256((const __m256i *)(a->xq + (m0 + j) * a->K + (g + b) * QK));
             for (int i = 0; i < NB; ++i) {
-                const __m256i w = decode_group(type, row[i], G, g + b);
+                const __m256i w = PRE ? _mm256_loadu_si256((const __m256i *)(
+                                            dec + (n0 + i - dec_n0) * a->K + (g + b) * QK))
+                                      : decode_group(type, row[i], G, g + b);
                 __m256i scales16 = _mm256_setzero_si256();
                 if (type == Q6_K) {
                     const int8_t *sc = (const int8_t *)(row[i] + 24 * G) + 2 * (g + b);
@@ -442,21 +444,21 @@ static inline __attribute__((always_inline)) void tile_groups(
 }
 
 static inline __attribute__((always_inline)) void tile(
-        int NB, int MB, int type, const Rounded *a, const uint8_t *weight, int64_t N,
-        int64_t n0, int64_t m0, float *out) {
+        int NB, int MB, int type, int PRE, const Rounded *a, const uint8_t *weight, int64_t N,
+        int64_t n0, int64_t m0, const int8_t *dec, int64_t dec_n0, float *out) {
     if (is_legacy(type))
         tile_legacy(NB, MB, type, a, weight, N, n0, m0, out);
     else
-        tile_groups(NB, MB, type, a, weight, N, n0, m0, out);
+        tile_groups(NB, MB, type, PRE, a, weight, N, n0, m0, dec, dec_n0, out);
 }
 
-#define TILE(NB, MB) tile(NB, MB, TYPE, a, weight, N, n, m0, out)
+#define TILE(NB, MB) tile(NB, MB, TYPE, PRE, a, weight, N, n, m0, dec, n0, out)
 
 /* weight rows [n0, n1) of activation rows [m0, m0 + MB); every (type, MB) pair its own
  * copy, so the inner loops carry no branch */
 static inline __attribute__((always_inline)) void rows_tile(
-        const int TYPE, int MB, const Rounded *a, const uint8_t *weight, int64_t N,
-        int64_t n0, int64_t n1, int64_t m0, float *out) {
+        const int TYPE, const int PRE, int MB, const Rounded *a, const uint8_t *weight,
+        int64_t N, int64_t n0, int64_t n1, int64_t m0, const int8_t *dec, float *out) {
     int64_t n = n0;
     if (MB == 1) {      /* one row: four weight rows at once hide the fma latency */
         for (; n + 4 <= n1; n += 4) TILE(4, 1);
@@ -473,7 +475,43 @@ static inline __attribute__((always_inline)) void rows_tile(
     }
 }
 
-#define TYPE_CASE(T) case T: rows_tile(T, MB, &a, weight, N, n0, n1, m, out); break
+#define TYPE_CASE(T) case T: if (dec) rows_tile(T, 1, MB, &a, weight, N, n0, n1, m, dec, out); \
+                             else rows_tile(T, 0, MB, &a, weight, N, n0, n1, m, dec, out); \
+                             break
+
+/* Scratch for decoded weight rows, kept per thread between calls. */
+static __thread int8_t *decoded_memory;
+static __thread size_t decoded_bytes;
+
+static int8_t *decoded_scratch(size_t bytes) {
+    if (bytes > decoded_bytes) {
+        free(decoded_memory);
+        decoded_bytes = (bytes + 4095) & ~(size_t)4095;
+        decoded_memory = aligned_alloc(64, decoded_bytes);
+        if (decoded_memory == NULL)
+            decoded_bytes = 0;
+    }
+    return decoded_memory;
+}
+
+/* weight rows [n0, n1) of a non-legacy type decoded to bytes [n1 - n0, K], k order */
+static void decode_rows(int type, const uint8_t *weight, int64_t K, int64_t n0, int64_t n1,
+                        int8_t *dst) {
+    const int64_t G = K / QK, rb = row_bytes(type, G);
+    for (int64_t n = n0; n < n1; ++n)
+        for (int64_t g = 0; g < G; ++g) {
+            const uint8_t *row = weight + n * rb;
+            __m256i w;
+            switch (type) {   /* constant types: each decode_group inlines its own path */
+            case Q5_0: w = decode_group(Q5_0, row, G, g); break;
+            case Q5_1: w = decode_group(Q5_1, row, G, g); break;
+            case Q4_K: w = decode_group(Q4_K, row, G, g); break;
+            case Q5_K: w = decode_group(Q5_K, row, G, g); break;
+            default: w = decode_group(Q6_K, row, G, g); break;
+            }
+            _mm256_storeu_si256((__m256i *)(dst + (n - n0) * K + g * QK), w);
+        }
+}
 
 /* Activation rows [m0, m1) x weight rows [n0, n1) of out [M, N] = x [M, K] @ w^T from
  * the rounded activations (GGUF_FN(round_rows)); 0 on success, -2 for an unknown type. */
@@ -482,6 +520,14 @@ int GGUF_FN(gguf_tiles)(const int8_t *xq, const float *dx, const float *xsum, in
                         int64_t n0, int64_t n1, float *out) {
     const int64_t G = K / QK, G_padded = (G + CHUNK - 1) / CHUNK * CHUNK;
     const Rounded a = {xq, dx, xsum, K, G, G_padded};
+    /* prefill: a non-legacy type's rows decoded once for every tile of activation rows
+     * (the same bytes decode_group gives each tile: results do not change) */
+    int8_t *dec = NULL;
+    if (!is_legacy(type) && m1 - m0 > MAX_ROWS && type >= 0 && type <= Q6_K) {
+        dec = decoded_scratch((size_t)((n1 - n0) * K));
+        if (dec != NULL)
+            decode_rows(type, weight, K, n0, n1, dec);
+    }
     for (int64_t m = m0; m < m1; m += MAX_ROWS) {
         const int MB = m1 - m < MAX_ROWS ? (int)(m1 - m) : MAX_ROWS;
         switch (type) {

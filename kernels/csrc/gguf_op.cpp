@@ -35,7 +35,7 @@ namespace {
 constexpr int64_t kGroup = 32, kChunk = 8;
 constexpr int64_t kNumTypes = 8;            // kernels/gguf_cpu.py TYPE_CODES
 constexpr int64_t kDecodeRows = 4;          // up to this many activation rows: split weight rows
-constexpr int64_t kRowTile = 16;            // prefill: activation rows of a task
+constexpr int64_t kRowTile = 128;           // prefill: activation rows of a task
 constexpr int64_t kWeightChunk = 16;        // prefill: weight rows of a task (stay in L1/L2)
 
 bool cpu_has_vnni() {
@@ -99,8 +99,8 @@ at::Tensor gguf_gemm_cpu(const at::Tensor &x, const at::Tensor &rows, int64_t co
     } else {
         const int64_t m_tiles = (M + kRowTile - 1) / kRowTile;
         const int64_t n_chunks = (N + kWeightChunk - 1) / kWeightChunk;
-        // task t: weight chunk t / m_tiles, row tile t % m_tiles (a chunk's weights are
-        // reused from cache across all row tiles)
+        // task t: weight chunk t / m_tiles, row tile t % m_tiles (a chunk's weights, decoded
+        // once a task, are reused across its row tiles)
         at::parallel_for(0, m_tiles * n_chunks, 1, [&](int64_t b, int64_t e) {
             for (int64_t t = b; t < e; ++t) {
                 const int64_t n0 = t / m_tiles * kWeightChunk, m0 = t % m_tiles * kRowTile;
