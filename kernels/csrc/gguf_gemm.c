@@ -78,16 +78,21 @@ enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_
 #define GGUF_FN(name) name##_avx2
 #endif
 
-static inline int value_bytes(int type) { return type == Q8_0 ? 32 : 16; }
-static inline int block_bytes(int type) { return type == Q4_1 ? 20 : type == Q8_0 ? 34 : 18; }
-static inline int is_legacy(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
+/* legacy (non-K) types: bytes a block before its scales (values, Q5's high bits), in all */
+static inline int value_bytes(int type) {
+    return type == Q8_0 ? 32 : type == Q5_0 || type == Q5_1 ? 20 : 16;
+}
+static inline int block_bytes(int type) {
+    return value_bytes(type) + (type == Q4_1 || type == Q5_1 ? 4 : 2);
+}
+static inline int is_legacy(int type) { return type <= Q5_1; }
+static inline int has_min(int type) { return type == Q4_1 || type == Q5_1; }
+static inline int is_q5(int type) { return type == Q5_0 || type == Q5_1; }
 
 /* bytes of one row of G groups (the layouts of the header) */
 static inline int64_t row_bytes(int type, int64_t G) {
     const int64_t S = G / 8;
     switch (type) {
-    case Q5_0: return 22 * G;
-    case Q5_1: return 24 * G;
     case Q4_K: return 18 * G + 4 * S;
     case Q5_K: return 22 * G + 4 * S;
     case Q6_K: return 26 * G + 2 * S;
@@ -196,6 +201,31 @@ static inline __m256 dot_q4_pair(__m256i lo, __m256i hi, __m256i xlo, __m256i xh
 #endif
 }
 
+/* Q5 high bits of one block (32 bits, weight j at bit j) -> 0x10 in byte j */
+static inline __m256i high_bits(uint32_t bits) {    /* bit j -> 0x10 in byte j */
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), _mm256_setr_epi64x(
+        0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+                            _mm256_set1_epi8(0x10));
+}
+
+/* Q5 high bits of a pair of blocks a, b (their 2 x 32 bits, a's first) -> 0x10 in the
+ * bytes of [a 0..15 | b 0..15] (lo) and [a 16..31 | b 16..31] (hi), the pair's order */
+static inline void pair_high_bits(uint64_t bits, __m256i *lo, __m256i *hi) {
+    const __m256i v = _mm256_set1_epi64x((long long)bits);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i sixteen = _mm256_set1_epi8(0x10);
+    const __m256i lo_idx = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0404040404040404,
+                                              0x0505050505050505);
+    const __m256i hi_idx = _mm256_setr_epi64x(0x0202020202020202, 0x0303030303030303,
+                                              0x0606060606060606, 0x0707070707070707);
+    *lo = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(
+        _mm256_shuffle_epi8(v, lo_idx), bit), bit), sixteen);
+    *hi = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(
+        _mm256_shuffle_epi8(v, hi_idx), bit), bit), sixteen);
+}
+
 /* Blocks [g, g + nblk) of NB weight rows x MB activation rows into acc, the scales
  * dd[i][j] (lane lane0 + b: block g + b) in registers. */
 static inline __attribute__((always_inline)) void chunk(
@@ -229,8 +259,16 @@ static inline __attribute__((always_inline)) void chunk(
         }
         for (int i = 0; i < NB; ++i) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(values[i] + (g + b) * 16));
-            const __m256i lo = _mm256_and_si256(v, nibble);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            __m256i lo = _mm256_and_si256(v, nibble);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            if (is_q5(type)) {
+                uint64_t bits;
+                memcpy(&bits, values[i] + 16 * a->G + 4 * (g + b), 8);
+                __m256i hlo, hhi;
+                pair_high_bits(bits, &hlo, &hhi);
+                lo = _mm256_or_si256(lo, hlo);
+                hi = _mm256_or_si256(hi, hhi);
+            }
             for (int j = 0; j < MB; ++j)
                 acc[i][j] = _mm256_fmadd_ps(dot_q4_pair(lo, hi, xlo[j], xhi[j]),
                                             _mm256_permutevar8x32_ps(dd[i][j], sel), acc[i][j]);
@@ -240,7 +278,12 @@ static inline __attribute__((always_inline)) void chunk(
         const __m256i sel = _mm256_set1_epi32(lane0 + b);
         for (int i = 0; i < NB; ++i) {
             const __m128i v = _mm_loadu_si128((const __m128i *)(values[i] + (g + b) * 16));
-            const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nibble);
+            __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nibble);
+            if (is_q5(type)) {
+                uint32_t bits;
+                memcpy(&bits, values[i] + 16 * a->G + 4 * (g + b), 4);
+                w = _mm256_or_si256(w, high_bits(bits));
+            }
             for (int j = 0; j < MB; ++j) {
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + j * a->K + b * QK));
                 acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8(w, x)),
@@ -284,8 +327,8 @@ static inline __attribute__((always_inline)) void tile_legacy(
         for (int i = 0; i < NB; ++i) {
             const int n = G < CHUNK ? nblk : CHUNK;
             const __m256 dv = load_f16(d[i] + base, n);
-            __m256 z = type == Q4_1 ? load_f16(d[i] + G + base, n)
-                                    : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
+            __m256 z = has_min(type) ? load_f16(d[i] + G + base, n)
+                                     : _mm256_mul_ps(dv, _mm256_set1_ps(is_q5(type) ? -16.0f : -8.0f));
             if (lane0)
                 z = _mm256_and_ps(z, own);
             for (int j = 0; j < MB; ++j) {
@@ -306,29 +349,14 @@ static inline __attribute__((always_inline)) void tile_legacy(
 }
 
 
-/* One group (32 weights, k order) of a non-legacy row as bytes: unsigned q, or for Q6_K
- * signed q - 32. */
-static inline __m256i high_bits(uint32_t bits) {    /* bit j -> 0x10 in byte j */
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), _mm256_setr_epi64x(
-        0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
-                            _mm256_set1_epi8(0x10));
-}
-
 static inline __m128i shift_count(int n) { return _mm_cvtsi32_si128(n); }
 
+/* One group (32 weights, k order) of a K-quant row as bytes: unsigned q, or for Q6_K
+ * signed q - 32. */
 static inline __attribute__((always_inline)) __m256i decode_group(
         int type, const uint8_t *row, int64_t G, int64_t g) {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     const int64_t s = g / 8, gi = g % 8;
-    if (type == Q5_0 || type == Q5_1) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(row + 16 * g));
-        const __m256i q4 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nibble);
-        uint32_t bits;
-        memcpy(&bits, row + 16 * G + 4 * g, 4);
-        return _mm256_or_si256(q4, high_bits(bits));
-    }
     if (type == Q4_K || type == Q5_K) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(row + 16 * (g & ~(int64_t)1)));
         const __m256i q4 = _mm256_and_si256(_mm256_srl_epi16(v, shift_count(4 * (int)(g & 1))),
@@ -362,7 +390,7 @@ static inline __attribute__((always_inline)) __m256 dot_group(
     return _mm256_cvtepi32_ps(dot_u8(w, x));
 }
 
-/* Non-legacy types, chunks of 8 groups (a K-quant's chunk is its super-block). */
+/* K-quants, a chunk of 8 groups (its super-block) at a time. */
 static inline __attribute__((always_inline)) void tile_groups(
         int NB, int MB, int type, int PRE, const Rounded *a, const uint8_t *weight, int64_t N,
         int64_t n0, int64_t m0, const int8_t *dec, int64_t dec_n0, float *out) {
@@ -377,28 +405,16 @@ static inline __attribute__((always_inline)) void tile_groups(
     }
     const char *ahead = (const char *)(weight + n0 * rb) + PREFETCH_AHEAD;
     for (int64_t g = 0; g < G; g += CHUNK) {
-        const int nblk = G - g < CHUNK ? (int)(G - g) : CHUNK;
-        /* as tile_legacy: a short last chunk (Q5_0 / Q5_1 only) reads the last 8 scales */
-        const int64_t base = nblk == CHUNK || G < CHUNK ? g : G - CHUNK;
-        const int lane0 = (int)(g - base);
-        const int64_t chunk_bytes = (NB * rb * nblk) / G;
+        /* a chunk is one super-block (K-quant rows hold whole super-blocks) */
+        const int nblk = CHUNK, lane0 = 0;
+        const int64_t base = g, chunk_bytes = NB * rb / (G / CHUNK);
         for (int64_t off = 0; off < chunk_bytes; off += 64)
             _mm_prefetch(ahead + off, _MM_HINT_T0);
         ahead += chunk_bytes;
-        const __m256 own = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(lane0 - 1)));
         __m256 dd[MAX_WROWS][MAX_ROWS];
         for (int i = 0; i < NB; ++i) {
             __m256 dv, z = _mm256_setzero_ps();
-            if (type == Q5_0 || type == Q5_1) {
-                const int n = G < CHUNK ? nblk : CHUNK;
-                const uint16_t *d = (const uint16_t *)(row[i] + 20 * G);
-                dv = load_f16(d + base, n);
-                z = type == Q5_1 ? load_f16(d + G + base, n)
-                                 : _mm256_mul_ps(dv, _mm256_set1_ps(-16.0f));
-                if (lane0)
-                    z = _mm256_and_ps(z, own);
-            } else if (type == Q6_K) {
+            if (type == Q6_K) {
                 const uint16_t *d = (const uint16_t *)(row[i] + 26 * G);
                 dv = _mm256_set1_ps(_cvtsh_ss(d[g / 8]));
             } else {
@@ -494,7 +510,7 @@ static int8_t *decoded_scratch(size_t bytes) {
     return decoded_memory;
 }
 
-/* weight rows [n0, n1) of a non-legacy type decoded to bytes [n1 - n0, K], k order */
+/* weight rows [n0, n1) of a K-quant decoded to bytes [n1 - n0, K], k order */
 static void decode_rows(int type, const uint8_t *weight, int64_t K, int64_t n0, int64_t n1,
                         int8_t *dst) {
     const int64_t G = K / QK, rb = row_bytes(type, G);
@@ -503,8 +519,6 @@ static void decode_rows(int type, const uint8_t *weight, int64_t K, int64_t n0, 
             const uint8_t *row = weight + n * rb;
             __m256i w;
             switch (type) {   /* constant types: each decode_group inlines its own path */
-            case Q5_0: w = decode_group(Q5_0, row, G, g); break;
-            case Q5_1: w = decode_group(Q5_1, row, G, g); break;
             case Q4_K: w = decode_group(Q4_K, row, G, g); break;
             case Q5_K: w = decode_group(Q5_K, row, G, g); break;
             default: w = decode_group(Q6_K, row, G, g); break;
@@ -520,7 +534,7 @@ int GGUF_FN(gguf_tiles)(const int8_t *xq, const float *dx, const float *xsum, in
                         int64_t n0, int64_t n1, float *out) {
     const int64_t G = K / QK, G_padded = (G + CHUNK - 1) / CHUNK * CHUNK;
     const Rounded a = {xq, dx, xsum, K, G, G_padded};
-    /* prefill: a non-legacy type's rows decoded once for every tile of activation rows
+    /* prefill: a K-quant's rows decoded once for every tile of activation rows
      * (the same bytes decode_group gives each tile: results do not change) */
     int8_t *dec = NULL;
     if (!is_legacy(type) && m1 - m0 > MAX_ROWS && type >= 0 && type <= Q6_K) {
@@ -544,5 +558,5 @@ int GGUF_FN(gguf_tiles)(const int8_t *xq, const float *dx, const float *xsum, in
 void GGUF_FN(gguf_round)(const float *x, int64_t M, int64_t K, int type, int8_t *xq,
                          float *dx, float *xsum) {
     const int64_t G = K / QK, G_padded = (G + CHUNK - 1) / CHUNK * CHUNK;
-    round_rows(x, M, K, type == Q4_0 || type == Q4_1, xq, dx, xsum, G_padded);
+    round_rows(x, M, K, is_legacy(type) && type != Q8_0, xq, dx, xsum, G_padded);
 }
