@@ -1,23 +1,26 @@
-"""GGUF block-quantized matmuls on x86 CPUs: rung's own AVX2 kernel, fp32 activations.
+"""GGUF block-quantized matmuls on x86 CPUs: rung's own kernel (AVX2, and AVX-512 VNNI
+where the CPU has it), fp32 activations, every common GGUF type in its own bits.
 
 torch's CPU int4 kernel (``aten::_weight_int4pack_mm_for_cpu``) converts every weight to
 float before its FMA, and on AVX2 it is compute-bound (``bench/gemv_bandwidth.py``).
 ``csrc/gguf_gemm.c`` does what llama.cpp does: each 32-group of an activation row is
-rounded to int8 with its own scale, and a group's dot product with the weight's 4- or
-8-bit values is one integer ``maddubs`` (32 weights an instruction), scaled in fp32: the
-result is the exact weight times the rounded activations. The weight keeps the file's
-block bytes (``GGUFBlockWeight``: Q4_0, Q4_1, Q8_0), regrouped per row (values, then
-scales) so the kernel converts 8 scales at once; nothing is rounded or unpacked at load,
-and the kernel reads as many bytes as llama.cpp. The activation rounding is the kernel's
-only approximation, and ``gguf_gemm_reference`` (torch, fp64) is the same formula, the
-tests' oracle.
+rounded to int8 with its own scale, once per matmul, and a group's dot product with the
+weight's 4- to 8-bit values is one integer dot (``maddubs`` + ``madd``, or VNNI's
+``dpbusd``), scaled in fp32: the result is the exact weight times the rounded
+activations. The weight keeps the file's block bytes (``GGUFBlockWeight``: Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), regrouped per row by field so the kernel converts 8
+scales at once; nothing is rounded at load (the K-quants' 6-bit scales are unpacked to a
+byte each, 4 bytes a 256-weight super-block). The activation rounding is the kernel's
+only approximation, and ``gguf_gemm_reference`` (torch, fp64, over the exact decode
+``dequantize_fp64``) is the same formula, the tests' oracle.
 
 The kernel is the op ``rung::gguf_gemm`` (an opaque call inductor keeps in compiled
 graphs), its CPU implementation in C++ (``csrc/gguf_op.cpp``): the dispatcher calls the C
 kernel with no Python in between. Both are compiled once per machine and torch version
 with the system compilers (the C++ one inductor uses) into ``$RUNG_CACHE_DIR/kernels``
-(~15 s of CPU the first time, torch's headers; loading the cached library takes
-milliseconds).
+(the C source twice, AVX2 and AVX-512 VNNI, chosen at run time: ``set_isa``; ~15-90 s of
+CPU the first time, torch's headers; loading the cached library takes milliseconds).
+The op splits its work over torch's intra-op pool (``csrc/gguf_op.cpp``).
 """
 
 from __future__ import annotations
