@@ -180,6 +180,19 @@ def _token_match(hf_tokens: list[list[int]], rung_tokens: list[list[list[int]]])
     return agree / total if total else 1.0
 
 
+def _prefill_stats(rung_s: list[float], baseline_s: list[float],
+                   prefix: str) -> dict[str, Any]:
+    """Median time to the first token of the prefill prompt, rung and the baseline."""
+    def median_ms(values: list[float]) -> float:
+        return 1e3 * sorted(values)[len(values) // 2]
+
+    stats = {"prefill_ms": median_ms(rung_s)}
+    if baseline_s:
+        stats[f"{prefix}_prefill_ms"] = median_ms(baseline_s)
+        stats[f"prefill_rung_over_{prefix}"] = stats["prefill_ms"] / median_ms(baseline_s)
+    return stats
+
+
 def _add_ratios(record: dict[str, Any]) -> None:
     hf, floor = record.get("hf_step_ms_p50"), record.get("floor_step_ms_p50")
     record["rung_over_hf"] = record["step_ms_p50"] / hf if hf else None
@@ -270,7 +283,9 @@ class _Run:
                            f"{label}-{num_reqs}-w{i}")
             self._baseline_round(_warmup_prompts(prompts), min(plan.output_len, 4))
         rounds: dict[str, list[RungRound]] = {label: [] for label in self.engines}
-        hf_rounds, floor_s = [], []
+        prefill_s: dict[str, list[float]] = {label: [] for label in self.engines}
+        hf_rounds, floor_s, baseline_prefill_s = [], [], []
+        long_prompt = plan.prefill_prompt(first.runner.vocab_size) if plan.prefill_len else None
         for i in range(plan.iters):
             self.bar.set_postfix_str(f"{num_reqs} requests: round {i + 1}/{plan.iters}")
             for label, engine in self.engines.items():
@@ -280,6 +295,14 @@ class _Run:
             if baseline_round is not None:
                 hf_rounds.append(baseline_round)
             floor_s += floor.time_steps(plan.output_len - 1)
+            if long_prompt is not None and num_reqs == plan.num_reqs_list[0]:
+                # NOTE: interleaved like the decode rounds: every mode, then the baseline
+                for label, engine in self.engines.items():
+                    prefill_s[label].append(rung_round(
+                        engine, [long_prompt], 1, f"{label}-prefill-{i}").ttft_s)
+                baseline_prefill = self._baseline_round([long_prompt], 1)
+                if baseline_prefill is not None:
+                    baseline_prefill_s.append(baseline_prefill.ttft_s)
         shared = floor_stats(floor, floor_s)
         if hf_rounds:
             tokens = [r[-1].token_ids for r in rounds.values()]
@@ -289,6 +312,9 @@ class _Run:
         for label, engine in self.engines.items():
             record = rung_record(engine, plan, label, num_reqs, rounds[label])
             record.update(shared, interleaved_with=self.order)
+            if prefill_s[label]:
+                record.update(_prefill_stats(prefill_s[label], baseline_prefill_s,
+                                             "hf" if self.hf is not None else "llamacpp"))
             _add_ratios(record)
             self.records.append(record)
             self.bar.update(1)

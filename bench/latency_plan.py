@@ -33,10 +33,16 @@ class LatencyPlan:
     iters: int
     warmup_iters: int
     baseline: str
+    prefill_len: int = 0              # one prompt's prefill timed per round (0: none)
 
     @property
     def max_num_reqs(self) -> int:
         return self.num_reqs_list[-1]
+
+    @property
+    def max_len(self) -> int:
+        """The longest sequence a round runs: a decode round's or the prefill prompt's."""
+        return max(self.input_len + self.output_len, self.prefill_len + 1)
 
     def prompts(self, num_reqs: int, vocab_size: int) -> list[list[int]]:
         """The same random prompts for rung and HF, for a given request count."""
@@ -45,6 +51,13 @@ class LatencyPlan:
         gen = torch.Generator().manual_seed(1000 + num_reqs)
         ids = torch.randint(3, vocab_size, (num_reqs, self.input_len), generator=gen)
         return ids.tolist()
+
+    def prefill_prompt(self, vocab_size: int) -> list[int]:
+        """The same random ``prefill_len``-token prompt for rung and the baseline."""
+        import torch
+
+        gen = torch.Generator().manual_seed(2000 + self.prefill_len)
+        return torch.randint(3, vocab_size, (self.prefill_len,), generator=gen).tolist()
 
 
 # --- arguments ---------------------------------------------------------------------------
@@ -56,6 +69,9 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
                         "or any cudagraph mode name")
     p.add_argument("--input-len", type=int, default=64, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
+    p.add_argument("--prefill-len", type=int, default=512,
+                   help="also time the prefill of one prompt this long (to its first "
+                        "token) per round, rung and the baseline; 0 skips it")
     p.add_argument("--iters", type=int, default=3,
                    help="measured rounds per cell (each gives output-len - 1 decode steps)")
     p.add_argument("--warmup-iters", type=int, default=1, help="untimed rounds per cell")
@@ -115,18 +131,24 @@ def make_plan(args: argparse.Namespace) -> LatencyPlan:
     require(args.output_len >= 2, f"--output-len must be >= 2 (one decode step), "
              f"got {args.output_len}")
     require(args.iters >= 1, f"--iters must be >= 1, got {args.iters}")
+    require(args.prefill_len >= 0, f"--prefill-len must be >= 0, got {args.prefill_len}")
     require(args.warmup_iters >= 0, f"--warmup-iters must be >= 0, got {args.warmup_iters}")
     require(args.threads is None or args.threads >= 1, f"--threads must be >= 1, "
              f"got {args.threads}")
     plan = LatencyPlan(_positive_ints(args.batch_sizes, "--batch-sizes"), _modes(args.modes),
                        args.input_len, args.output_len, args.iters, args.warmup_iters,
-                       args.baseline)
+                       args.baseline, args.prefill_len)
     require(args.max_num_seqs is None or args.max_num_seqs >= plan.max_num_reqs,
              f"--max-num-seqs {args.max_num_seqs} is below the largest batch size "
              f"{plan.max_num_reqs}")
-    need = plan.input_len + plan.output_len
+    need = plan.max_len
     require(args.max_model_len is None or args.max_model_len >= need,
-             f"--max-model-len {args.max_model_len} is below input + output = {need}")
+             f"--max-model-len {args.max_model_len} is below input + output (or the "
+             f"prefill prompt + 1) = {need}")
+    require(args.max_num_batched_tokens is None
+            or args.max_num_batched_tokens >= plan.prefill_len,
+            f"--max-num-batched-tokens {args.max_num_batched_tokens} is below "
+            f"--prefill-len {plan.prefill_len} (the prefill is timed as one step)")
     require(not args.plot or importlib.util.find_spec("matplotlib") is not None,
              "--plot needs matplotlib: pip install 'rung[plot]'")
     return plan
@@ -140,6 +162,6 @@ def engine_namespace(args: argparse.Namespace, plan: LatencyPlan,
     ns.mode = None if ns.enforce_eager else policy
     ns.max_num_seqs = args.max_num_seqs or plan.max_num_reqs
     if args.max_model_len is None:
-        need = plan.input_len + plan.output_len
+        need = plan.max_len
         ns.max_model_len = -(-need // args.block_size) * args.block_size
     return ns

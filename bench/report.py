@@ -20,6 +20,9 @@ _COLUMNS = [  # (header, record key, format spec, scale)
     ("hf_p50", "hf_step_ms_p50", ">7.2f", None), ("rung/hf", "rung_over_hf", ">7.2f", None),
     ("lcpp_p50", "llamacpp_step_ms_p50", ">8.2f", None),
     ("rung/lcpp", "rung_over_llamacpp", ">9.2f", None),
+    ("prefill_ms", "prefill_ms", ">10.1f", None),
+    ("lcpp_prefill", "llamacpp_prefill_ms", ">12.1f", None),
+    ("prefill/lcpp", "prefill_rung_over_llamacpp", ">12.2f", None),
     ("floor_p50", "floor_step_ms_p50", ">9.2f", None),
     ("rung/floor", "rung_over_floor", ">10.2f", None),
 ]

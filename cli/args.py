@@ -42,11 +42,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 on CUDA, and with --quantization where rung's CPU "
                         "kernel cannot run; else float32), float32, bfloat16, float16")
-    p.add_argument("--quantization", default=None, choices=["gguf"],
-                   help="gguf: a GGUF file's Q4_0 / Q4_1 / Q8_0 weights stay quantized "
-                        "(rung's CPU kernel: all three, fp32 activations; torch's int4 kernel "
-                        "on CUDA or CPUs without AVX2: Q4_0 / Q4_1, bfloat16); every other "
-                        "type, and every weight without this flag, is dequantized to --dtype")
+    p.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"],
+                   help="auto (default): a GGUF file runs in its own quantized types (rung's "
+                        "CPU kernel: every common type, fp32 activations; torch's int4 "
+                        "kernel elsewhere: Q4_0 / Q4_1, bfloat16); gguf: the same, required; "
+                        "none: every weight dequantized to --dtype")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling generator")
     p.add_argument("--max-num-seqs", type=int, default=16,
@@ -145,11 +145,16 @@ def build_llm(args: argparse.Namespace, capture_progress: Callable | None = None
                enforce_eager=args.enforce_eager, compilation_config=compilation,
                attention_backend=args.attention_backend,
                speculative_config=speculative_config(args), load_format=args.load_format,
-               quantization=getattr(args, "quantization", None),
+               quantization=quantization_arg(getattr(args, "quantization", "auto")),
                debug_padding=args.debug_padding or None, capture_progress=capture_progress,
                data_parallel_size=args.data_parallel_size,
                data_parallel_timeout_s=args.data_parallel_timeout_s,
                enable_prefix_caching=not args.no_prefix_caching)
+
+
+def quantization_arg(value: str) -> str | None:
+    """--quantization's value -> LLM's (``none`` is None: dequantize every weight)."""
+    return None if value == "none" else value
 
 
 def int_list(text: str, flag: str) -> list[int]:

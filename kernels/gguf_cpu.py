@@ -1,23 +1,26 @@
-"""GGUF block-quantized matmuls on x86 CPUs: rung's own AVX2 kernel, fp32 activations.
+"""GGUF block-quantized matmuls on x86 CPUs: rung's own kernel (AVX2, and AVX-512 VNNI
+where the CPU has it), fp32 activations, every common GGUF type in its own bits.
 
 torch's CPU int4 kernel (``aten::_weight_int4pack_mm_for_cpu``) converts every weight to
 float before its FMA, and on AVX2 it is compute-bound (``bench/gemv_bandwidth.py``).
 ``csrc/gguf_gemm.c`` does what llama.cpp does: each 32-group of an activation row is
-rounded to int8 with its own scale, and a group's dot product with the weight's 4- or
-8-bit values is one integer ``maddubs`` (32 weights an instruction), scaled in fp32: the
-result is the exact weight times the rounded activations. The weight keeps the file's
-block bytes (``GGUFBlockWeight``: Q4_0, Q4_1, Q8_0), regrouped per row (values, then
-scales) so the kernel converts 8 scales at once; nothing is rounded or unpacked at load,
-and the kernel reads as many bytes as llama.cpp. The activation rounding is the kernel's
-only approximation, and ``gguf_gemm_reference`` (torch, fp64) is the same formula, the
-tests' oracle.
+rounded to int8 with its own scale, once per matmul, and a group's dot product with the
+weight's 4- to 8-bit values is one integer dot (``maddubs`` + ``madd``, or VNNI's
+``dpbusd``), scaled in fp32: the result is the exact weight times the rounded
+activations. The weight keeps the file's block bytes (``GGUFBlockWeight``: Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), regrouped per row by field so the kernel converts 8
+scales at once; nothing is rounded at load (the K-quants' 6-bit scales are unpacked to a
+byte each, 4 bytes a 256-weight super-block). The activation rounding is the kernel's
+only approximation, and ``gguf_gemm_reference`` (torch, fp64, over the exact decode
+``dequantize_fp64``) is the same formula, the tests' oracle.
 
 The kernel is the op ``rung::gguf_gemm`` (an opaque call inductor keeps in compiled
 graphs), its CPU implementation in C++ (``csrc/gguf_op.cpp``): the dispatcher calls the C
 kernel with no Python in between. Both are compiled once per machine and torch version
 with the system compilers (the C++ one inductor uses) into ``$RUNG_CACHE_DIR/kernels``
-(~15 s of CPU the first time, torch's headers; loading the cached library takes
-milliseconds).
+(the C source twice, AVX2 and AVX-512 VNNI, chosen at run time: ``set_isa``; ~15-90 s of
+CPU the first time, torch's headers; loading the cached library takes milliseconds).
+The op splits its work over torch's intra-op pool (``csrc/gguf_op.cpp``).
 """
 
 from __future__ import annotations
@@ -39,38 +42,59 @@ import torch
 logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32                   # GGUF's block: 32 weights, one scale (and offset)
+SUPER_BLOCK = 256                 # a K-quant's super-block: 8 groups of 32
 _SOURCE = Path(__file__).parent / "csrc" / "gguf_gemm.c"
 _OP_SOURCE = Path(__file__).parent / "csrc" / "gguf_op.cpp"
-_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC"]
-_CXXFLAGS = ["-O2", "-std=c++17", "-shared", "-fPIC", "-w"]
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC"]
+_VNNI_CFLAGS = ["-DGGUF_VNNI", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"]
+_CXXFLAGS = ["-O2", "-std=c++17", "-shared", "-fPIC", "-w", "-fopenmp"]
 
-
-# GGUF type -> bytes a block (values, f16 d, Q4_1's f16 m) and code of csrc/gguf_gemm.c
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# GGUF type -> kernel code (csrc/gguf_gemm.c), (bytes, groups of 32) of a file block and
+# of the same block in rung's row layout (csrc/gguf_gemm.c's header; K-quants gain 4 bytes
+# a super-block: their 6-bit scales unpacked to bytes)
+TYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6,
+              "Q6_K": 7}
+FILE_BLOCK = {"Q4_0": (18, 1), "Q4_1": (20, 1), "Q8_0": (34, 1), "Q5_0": (22, 1),
+              "Q5_1": (24, 1), "Q4_K": (144, 8), "Q5_K": (176, 8), "Q6_K": (210, 8)}
+ROW_BLOCK = {**FILE_BLOCK, "Q4_K": (148, 8), "Q5_K": (180, 8)}
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+KERNEL_TYPES = tuple(TYPE_CODES)
+# compatibility names of the legacy types' layout
+BLOCK_BYTES = {t: FILE_BLOCK[t][0] for t in ("Q4_0", "Q4_1", "Q8_0")}
 VALUE_BYTES = {"Q4_0": 16, "Q4_1": 16, "Q8_0": 32}
-TYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
 
 
 @dataclasses.dataclass
 class GGUFBlockWeight:
-    """A weight [N, K] of a GGUF file's blocks of 32 along K, the file's bytes regrouped
-    per row (the same size): row n = [values of its G = K // 32 blocks | G f16 scales d |
-    G f16 minimums m (Q4_1 only)], and w[n, k] = d[n, g] * q[n, k] + z[n, g] with g = k //
-    32 and z = -8 d (Q4_0), m (Q4_1), 0 (Q8_0). A block's 16 bytes of nibbles hold weight
-    j in the low half of byte j and weight j + 16 in its high half; Q8_0 values are int8."""
+    """A weight [N, K] in a GGUF file's blocks along K, each row's blocks regrouped by
+    field (the layouts of csrc/gguf_gemm.c's header; lossless, the same bytes but for the
+    K-quants' unpacked 6-bit scales). Legacy types: row n = [values of its G = K // 32
+    blocks | G f16 scales d | G f16 minimums m (Q4_1 only)], and w[n, k] = d[n, g] *
+    q[n, k] + z[n, g] with g = k // 32 and z = -8 d (Q4_0), m (Q4_1), 0 (Q8_0). A block's
+    16 bytes of nibbles hold weight j in the low half of byte j and weight j + 16 in its
+    high half; Q8_0 values are int8. ``dequantize_reference`` decodes every type."""
 
-    rows: torch.Tensor      # [N, K // 32 * BLOCK_BYTES[type_name]] uint8
-    type_name: str          # "Q4_0", "Q4_1" or "Q8_0"
+    rows: torch.Tensor      # [N, row bytes] uint8
+    type_name: str          # a key of TYPE_CODES
 
     @classmethod
     def from_file_blocks(cls, blocks: torch.Tensor, type_name: str) -> GGUFBlockWeight:
-        """blocks [N, G * BLOCK_BYTES] uint8 as a GGUF file stores them (d, [m], values
-        per block) -> the per-row layout."""
+        """blocks [N, row's file bytes] uint8 as a GGUF file stores them -> rung's row
+        layout."""
+        if type_name not in FILE_BLOCK:
+            raise ValueError(f"rung's GGUF kernel serves {', '.join(KERNEL_TYPES)}, "
+                             f"not {type_name}")
         num_rows, row_bytes = blocks.shape
-        fields = blocks.reshape(num_rows, row_bytes // BLOCK_BYTES[type_name], -1)
-        parts = [fields[..., -VALUE_BYTES[type_name]:], fields[..., :2]]
-        if type_name == "Q4_1":
-            parts.append(fields[..., 2:4])
+        f = blocks.reshape(num_rows, row_bytes // FILE_BLOCK[type_name][0], -1)
+        field_spans = {"Q4_0": [(2, 18), (0, 2)], "Q4_1": [(4, 20), (0, 2), (2, 4)],
+                       "Q8_0": [(2, 34), (0, 2)], "Q5_0": [(6, 22), (2, 6), (0, 2)],
+                       "Q5_1": [(8, 24), (4, 8), (0, 2), (2, 4)],
+                       "Q4_K": [(16, 144), (0, 2), (2, 4)],
+                       "Q5_K": [(48, 176), (16, 48), (0, 2), (2, 4)],
+                       "Q6_K": [(0, 128), (128, 192), (192, 208), (208, 210)]}[type_name]
+        parts = [f[..., a:b] for a, b in field_spans]
+        if type_name in ("Q4_K", "Q5_K"):
+            parts += list(_k_scales(f[..., 4:16]))
         return cls(torch.cat([p.reshape(num_rows, -1) for p in parts], dim=1), type_name)
 
     @property
@@ -79,38 +103,72 @@ class GGUFBlockWeight:
 
     @property
     def num_groups(self) -> int:
-        return self.rows.shape[1] // BLOCK_BYTES[self.type_name]
+        block_bytes, groups = ROW_BLOCK[self.type_name]
+        return self.rows.shape[1] // block_bytes * groups
 
     @property
     def bits(self) -> int:
-        return 8 if self.type_name == "Q8_0" else 4
+        return BITS[self.type_name]
+
+    def _field(self, start: int, length: int) -> torch.Tensor:
+        """Bytes [start, start + length) of every row, [N, length] uint8."""
+        return self.rows[:, start:start + length]
 
     def _f16(self, index: int) -> torch.Tensor:
-        """The ``index``-th f16 array of every row (0: d, 1: m) -> [N, G] fp32."""
+        """The ``index``-th f16 array of every legacy row (0: d, 1: m) -> [N, G] fp32."""
         start = self.num_groups * (VALUE_BYTES[self.type_name] + 2 * index)
         return (self.rows[:, start:start + 2 * self.num_groups].contiguous()
                 .view(torch.float16).float())
 
     def scale(self) -> torch.Tensor:
-        """[N, K // 32] fp32 (the f16 d, widened exactly)."""
+        """Legacy types: [N, K // 32] fp32 (the f16 d, widened exactly)."""
+        self._check_legacy()
         return self._f16(0)
 
     def offset(self) -> torch.Tensor:
-        """[N, K // 32] fp32: -8 d (Q4_0), m (Q4_1) or 0 (Q8_0)."""
+        """Legacy types: [N, K // 32] fp32: -8 d (Q4_0), m (Q4_1) or 0 (Q8_0)."""
+        self._check_legacy()
         if self.type_name == "Q4_1":
             return self._f16(1)
         return -8.0 * self.scale() if self.type_name == "Q4_0" else torch.zeros_like(
             self.scale())
 
     def values(self) -> torch.Tensor:
-        """q [N, K] in k order: 0..15 (4 bits) or -128..127 (8 bits), int16."""
+        """Legacy types: q [N, K] in k order: 0..15 (4 bits) or -128..127 (8 bits), int16."""
+        self._check_legacy()
         num_rows, num_cols = self.shape
         values = self.rows[:, :self.num_groups * VALUE_BYTES[self.type_name]]
         if self.type_name == "Q8_0":
             return values.contiguous().view(torch.int8).short()
-        nibbles = values.reshape(num_rows, self.num_groups, 16)               # [N, G, 16]
-        return torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(
+        return _nibbles_in_order(values, num_rows, self.num_groups).reshape(
             num_rows, num_cols).short()
+
+    def _check_legacy(self) -> None:
+        if self.type_name not in VALUE_BYTES:
+            raise ValueError(f"scale / offset / values are the legacy types' fields "
+                             f"({', '.join(VALUE_BYTES)}), not {self.type_name}'s")
+
+
+def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_K / Q5_K super-block's 12 bytes of 6-bit scales -> (sc, min) [..., 8] uint8:
+    bytes 0-3 hold sc 0-3 (and the top bits of sc 4-7), 4-7 min 0-3 (and of min 4-7),
+    8-11 the low 4 bits of sc 4-7 and min 4-7."""
+    d, m, low = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = torch.cat([d & 0x3F, (low & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (low >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _nibbles_in_order(values: torch.Tensor, num_rows: int, num_groups: int) -> torch.Tensor:
+    """Legacy 4-bit blocks' bytes [N, G * 16] -> [N, G, 32] uint8 in k order."""
+    nibbles = values.reshape(num_rows, num_groups, 16)
+    return torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1)
+
+
+def _bits_in_order(packed: torch.Tensor) -> torch.Tensor:
+    """[..., B] bytes -> [..., 8 B] of their bits, bit j of byte i at 8 i + j (little end)."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((packed[..., None] >> shifts) & 1).reshape(*packed.shape[:-1], -1)
 
 
 def stack_rows(shards: list[GGUFBlockWeight]) -> GGUFBlockWeight:
@@ -167,10 +225,57 @@ def _advise_huge_pages(address: int, length: int) -> None:
 
 
 def dequantize_reference(weight: GGUFBlockWeight) -> torch.Tensor:
-    """The weight [N, K] in fp32 (the block formula, exact: fp32 scale times small ints)."""
-    scale = weight.scale().repeat_interleave(GROUP_SIZE, dim=1)          # [N, K]
-    offset = weight.offset().repeat_interleave(GROUP_SIZE, dim=1)        # [N, K]
-    return weight.values().float() * scale + offset
+    """The weight [N, K] in fp32: the block formula in fp64, rounded once (exact for every
+    type but the K-quants' d sc q - dmin m, which rounds like the gguf package's)."""
+    return dequantize_fp64(weight).float()
+
+
+def dequantize_fp64(weight: GGUFBlockWeight) -> torch.Tensor:
+    """The weight [N, K] decoded from rung's row layout in fp64 (exact)."""
+    t, rows = weight.type_name, weight.rows
+    (num_rows, num_cols), G = weight.shape, weight.num_groups
+    S = G // 8
+
+    def f16(start: int, count: int) -> torch.Tensor:
+        return rows[:, start:start + 2 * count].contiguous().view(torch.float16).double()
+
+    if t in VALUE_BYTES:
+        scale = weight.scale().double().repeat_interleave(GROUP_SIZE, dim=1)
+        offset = weight.offset().double().repeat_interleave(GROUP_SIZE, dim=1)
+        return weight.values().double() * scale + offset
+    if t in ("Q5_0", "Q5_1"):
+        q = (_nibbles_in_order(rows[:, :16 * G], num_rows, G).long()
+             | (_bits_in_order(rows[:, 16 * G:20 * G]).reshape(num_rows, G, 32).long() << 4))
+        d = f16(20 * G, G)[..., None]
+        z = f16(22 * G, G)[..., None] if t == "Q5_1" else -16.0 * d
+        return (d * q + z).reshape(num_rows, num_cols)
+    if t in ("Q4_K", "Q5_K"):
+        pairs = rows[:, :16 * G].reshape(num_rows, S, 4, 1, 32)
+        q = ((pairs >> torch.tensor([0, 4], dtype=torch.uint8)[:, None]) & 0x0F).reshape(
+            num_rows, G, 32).long()
+        p = 16 * G
+        if t == "Q5_K":
+            high = rows[:, p:p + 32 * S].reshape(num_rows, S, 1, 32)
+            bits = (high >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1   # [N, S, 8, 32]
+            q = q | (bits.reshape(num_rows, G, 32).long() << 4)
+            p += 32 * S
+        d, dmin = f16(p, S), f16(p + 2 * S, S)                                # [N, S]
+        sc = rows[:, p + 4 * S:p + 4 * S + G].double().reshape(num_rows, S, 8)
+        mn = rows[:, p + 4 * S + G:p + 4 * S + 2 * G].double().reshape(num_rows, S, 8)
+        scale = (d[..., None] * sc).reshape(num_rows, G, 1)
+        offset = (dmin[..., None] * mn).reshape(num_rows, G, 1)
+        return (scale * q - offset).reshape(num_rows, num_cols)
+    # Q6_K: per super-block two halves of 128 weights; quarter k of a half takes the
+    # low (k < 2) or high nibbles of ql bytes 32 (k % 2) .. +32 and bits 2k, 2k + 1 of qh
+    ql = rows[:, :16 * G].reshape(num_rows, S, 2, 1, 2, 32)                 # [., h, ., k%2, l]
+    low = (ql >> torch.tensor([0, 4], dtype=torch.uint8)[:, None, None]) & 0x0F  # [.,h,k//2,k%2,l]
+    qh = rows[:, 16 * G:24 * G].reshape(num_rows, S, 2, 1, 32)
+    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 0x03  # [., h, k, l]
+    q = (low.reshape(num_rows, S, 2, 4, 32).long() | (high.long() << 4)) - 32
+    sc = rows[:, 24 * G:26 * G].contiguous().view(torch.int8).double()      # [N, S * 16]
+    d = f16(26 * G, S)                                                      # [N, S]
+    scale = d.repeat_interleave(16, dim=1) * sc                              # [N, S * 16]
+    return (q.reshape(num_rows, S * 16, 16) * scale[..., None]).reshape(num_rows, num_cols)
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,7 +292,7 @@ def gguf_gemm_reference(x: torch.Tensor, weight: GGUFBlockWeight) -> torch.Tenso
     times the exact weight, in fp64."""
     xq, dx = quantize_rows_reference(x)                                   # [M, G, 32], [M, G]
     rounded = (xq.double() * dx.double()[..., None]).reshape(x.shape)     # [M, K]
-    return (rounded @ dequantize_reference(weight).double().t()).float()
+    return (rounded @ dequantize_fp64(weight).t()).float()
 
 
 def gguf_gemm(x: torch.Tensor, weight: GGUFBlockWeight) -> torch.Tensor:
@@ -247,20 +352,49 @@ def load_kernel() -> None:
     cxxflags = [*_CXXFLAGS, *(f"-I{p}" for p in cpp_extension.include_paths()),
                 f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     key = b"".join([_SOURCE.read_bytes(), _OP_SOURCE.read_bytes(),
-                    " ".join(_CFLAGS + cxxflags + [torch.__version__]).encode()])
+                    " ".join(_CFLAGS + _VNNI_CFLAGS + cxxflags + [torch.__version__]).encode()])
     path = _cache_dir() / f"gguf_op-{hashlib.sha256(key).hexdigest()[:16]}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            obj, built = Path(tmp) / "gguf_gemm.o", Path(tmp) / path.name
-            _run([_compiler(), *_CFLAGS, "-c", "-o", str(obj), str(_SOURCE)])
-            _run([_cxx_compiler(), *cxxflags, "-o", str(built), str(_OP_SOURCE), str(obj),
-                  f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu"])
+            objs = [Path(tmp) / "gguf_avx2.o", Path(tmp) / "gguf_vnni.o"]
+            built = Path(tmp) / path.name
+            _run([_compiler(), *_CFLAGS, "-c", "-o", str(objs[0]), str(_SOURCE)])
+            _run([_compiler(), *_CFLAGS, *_VNNI_CFLAGS, "-c", "-o", str(objs[1]), str(_SOURCE)])
+            _run([_cxx_compiler(), *cxxflags, "-o", str(built), str(_OP_SOURCE),
+                  *map(str, objs), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10",
+                  "-ltorch_cpu"])
             os.replace(built, path)          # NOTE: atomic: a racing process sees all or none
         logger.info("compiled the GGUF CPU kernel into %s in %.1f s", path,
                     time.perf_counter() - start)
     torch.ops.load_library(str(path))
+    _ISA_CONTROL.append(ctypes.CDLL(str(path)))
+    _apply_isa(os.environ.get("RUNG_GGUF_ISA") or None)
+
+
+_ISA_CONTROL: list[ctypes.CDLL] = []      # the loaded op library, for set_isa / isa
+ISAS = ("avx2", "avx512_vnni")
+
+
+def set_isa(name: str | None) -> None:
+    """Force the kernel's path: "avx2" (on any CPU), or None for the best this CPU runs
+    (AVX-512 VNNI where present). ``RUNG_GGUF_ISA=avx2`` does the same at load."""
+    load_kernel()
+    _apply_isa(name)
+
+
+def _apply_isa(name: str | None) -> None:
+    if name not in (None, "auto", *ISAS):
+        raise ValueError(f"RUNG_GGUF_ISA / set_isa takes {', '.join(ISAS)} or auto, "
+                         f"not {name!r}")
+    _ISA_CONTROL[0].rung_gguf_set_isa(0 if name == "avx2" else -1)
+
+
+def isa() -> str:
+    """The path rung::gguf_gemm runs now: "avx2" or "avx512_vnni"."""
+    load_kernel()
+    return ISAS[_ISA_CONTROL[0].rung_gguf_isa()]
 
 
 def _run(cmd: list[str]) -> None:

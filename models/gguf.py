@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from rung.kernels.gguf_cpu import GGUFBlockWeight
+from rung.kernels.gguf_cpu import FILE_BLOCK, KERNEL_TYPES, GGUFBlockWeight
 from rung.models.registry import GGUF_ARCHITECTURES, model_class
 
 logger = logging.getLogger(__name__)
@@ -333,23 +333,27 @@ def dequantize_numpy(data: np.ndarray, type_name: str) -> np.ndarray:
     return (d * q + m).reshape(-1)
 
 
-# Types that stay in their blocks under quantization="gguf" (``GGUFBlockWeight``): the
-# 4-bit ones on every kernel, Q8_0 on rung's CPU kernel.
+# Types that stay in their blocks (``GGUFBlockWeight``): the legacy 4-bit ones on every
+# kernel, every type of rung's CPU kernel there.
 INT4_TYPES = ("Q4_0", "Q4_1")
-BLOCK_TYPES = INT4_TYPES + ("Q8_0",)
+BLOCK_TYPES = KERNEL_TYPES
 
 
 def block_weight(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> GGUFBlockWeight:
-    """Raw Q4_0 / Q4_1 / Q8_0 data of a matrix ``shape`` [N, K] -> its ``GGUFBlockWeight``:
+    """Raw data of a block-quantized matrix ``shape`` [N, K] -> its ``GGUFBlockWeight``:
     the file's bytes, regrouped per row out of the memory map (``dequantize_reference`` of
     it is ``dequantize`` of the same data)."""
     if type_name not in BLOCK_TYPES or len(shape) != 2:
         raise ValueError(f"block weights come from 2-D {' / '.join(BLOCK_TYPES)} tensors, "
                          f"not a {len(shape)}-D {type_name} one")
     num_rows, num_cols = shape
+    block_bytes, groups = FILE_BLOCK[type_name]
+    if num_cols % (32 * groups):
+        raise ValueError(f"a {type_name} matrix's rows hold whole blocks of {32 * groups} "
+                         f"weights; {num_cols} is not a multiple of it")
     # NOTE: a writable copy: torch refuses to wrap the read-only memory map silently
     blocks = np.array(data, dtype=np.uint8, copy=True).reshape(
-        num_rows, num_cols // 32 * _BLOCK_BYTES[type_name])
+        num_rows, num_cols // (32 * groups) * block_bytes)
     return GGUFBlockWeight.from_file_blocks(torch.from_numpy(blocks), type_name)
 
 

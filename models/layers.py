@@ -62,7 +62,7 @@ class QuantLinear(nn.Module):
     """A linear layer (no bias) whose weight stays in a GGUF file's blocks.
 
     Stands in for ``nn.Linear`` / ``MergedLinear`` when a checkpoint holds the weight as
-    Q4_0 / Q4_1 / Q8_0 blocks: each shard arrives as a ``GGUFBlockWeight`` through
+    GGUF blocks (any type of ``KERNEL_TYPES``): each shard arrives as a ``GGUFBlockWeight`` through
     ``load_quantized``, and ``pack`` readies the whole [out, in] weight for the device's
     kernel once every shard is in. On an AVX2 CPU that is rung's own kernel
     (``kernels/gguf_cpu.py``: the blocks as they are, fp32 activations in and out);
@@ -76,8 +76,10 @@ class QuantLinear(nn.Module):
         self.shard_sizes = shard_sizes
         self._pending: dict[int, GGUFBlockWeight] = {}
         self._whole = False                             # one tensor held every shard
-        self.type_name = ""                             # "Q4_0" / "Q4_1" / "Q8_0" once packed
+        self.type_name = ""                             # its GGUF type(s) ("Q4_K", "Q5_0+Q8_0")
         self.kernel = ""                                # "rung" or "torch_int4" once packed
+        # mixed-type shards (rung's kernel): (type, rows, row bytes) of each run in ``rows``
+        self.segments: list[tuple[str, int, int]] = []
         # rung's kernel: the file's blocks, per row; torch's: (packed, scales_and_zeros)
         self.register_buffer("rows", None)              # [out, in // 32 * block bytes] uint8
         self.register_buffer("packed", None)            # torch's int4 layout
@@ -108,18 +110,34 @@ class QuantLinear(nn.Module):
         missing = sorted(set(range(len(self.shard_sizes))) - set(self._pending))
         if missing:
             raise ValueError(f"quantized layer lacks checkpoint shards {missing}")
-        weight = self._pending[0] if self._whole else \
-            stack_rows([self._pending[i] for i in range(len(self.shard_sizes))])
+        shards = [self._pending[0]] if self._whole else \
+            [self._pending[i] for i in range(len(self.shard_sizes))]
         self._pending.clear()
-        self.type_name = weight.type_name
         self.kernel = kernel or quant_kernel(torch.device(device))
+        # runs of consecutive shards of one type stack into one weight (one kernel call)
+        runs: list[list[GGUFBlockWeight]] = []
+        for shard in shards:
+            if runs and runs[-1][0].type_name == shard.type_name:
+                runs[-1].append(shard)
+            else:
+                runs.append([shard])
+        weights = [stack_rows(run) for run in runs]
+        self.type_name = "+".join(w.type_name for w in weights)
         if self.kernel == "rung":
             load_kernel()       # NOTE: before any graph runs: it registers the op's CPU kernel
-            self.rows = weight.rows
+            if len(weights) == 1:
+                self.rows = weights[0].rows
+            else:
+                # NOTE: a fused layer of mixed types (llama.cpp's K-quant mixes give q/k and
+                # v their own types): one flat buffer, each type's rows a view of it
+                self.segments = [(w.type_name, *w.rows.shape) for w in weights]
+                self.rows = torch.cat([w.rows.reshape(-1) for w in weights])
             return
-        if weight.bits != 4:
-            raise ValueError(f"torch's int4 kernel on {device} cannot run {weight.bits}-bit "
-                             "blocks")
+        if len(weights) != 1 or weights[0].type_name not in ("Q4_0", "Q4_1"):
+            raise ValueError(f"torch's int4 kernel on {device} cannot run "
+                             f"{'mixed' if len(weights) > 1 else weights[0].bits}-bit blocks "
+                             f"of {self.type_name} (it runs Q4_0 and Q4_1)")
+        weight = weights[0]
         scale = weight.scale()
         int4 = Int4Weight(weight.values().to(torch.uint8), scale,
                           weight.offset() + 8.0 * scale)          # (q - 8) s + z = s q + o
@@ -127,7 +145,14 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)                          # [M, in]
-        if self.kernel == "rung":
+        if self.kernel == "rung" and self.segments:
+            outs, start = [], 0
+            for type_name, num_rows, row_bytes in self.segments:
+                part = self.rows[start:start + num_rows * row_bytes].view(num_rows, row_bytes)
+                outs.append(gguf_gemm(rows, GGUFBlockWeight(part, type_name)))
+                start += num_rows * row_bytes
+            out = torch.cat(outs, dim=1)                                # [M, out] fp32
+        elif self.kernel == "rung":
             out = gguf_gemm(rows, GGUFBlockWeight(self.rows, self.type_name))  # [M, out] fp32
         else:
             if x.dtype != ACTIVATION_DTYPE:
@@ -139,7 +164,7 @@ class QuantLinear(nn.Module):
 
 def quant_kernel(device: torch.device) -> str:
     """Which kernel a ``QuantLinear`` on ``device`` runs: "rung" (kernels/gguf_cpu.py,
-    Q4_0 / Q4_1 / Q8_0, any activation dtype) or "torch_int4" (4-bit, bfloat16)."""
+    every type of ``KERNEL_TYPES``, any activation dtype) or "torch_int4" (4-bit, bfloat16)."""
     return "rung" if device.type == "cpu" and gguf_cpu_available() is None else "torch_int4"
 
 

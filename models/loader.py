@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -36,9 +37,11 @@ from rung.models.weights import iterate_safetensors
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-# None: every weight in ``dtype``; "gguf": a GGUF file's Q4_0 / Q4_1 (and on CPU Q8_0)
-# linear weights stay in their blocks
-QUANTIZATIONS = (None, "gguf")
+# "auto" (the default): a GGUF file runs in its own types where a kernel serves them
+# ("gguf"), anything else in ``dtype``; "gguf": a GGUF file's linear weights stay in their
+# blocks (every type on rung's CPU kernel, Q4_0 / Q4_1 on torch's int4 one); None: every
+# weight dequantized to ``dtype`` (the opt-out; what the HF-oracle tests compare)
+QUANTIZATIONS = ("auto", None, "gguf")
 # Seeds of random weights: fixed per role, never the engine's sampling seed, so a preset is
 # one model (trained drafters are fitted to it) whatever seed a user samples with.
 WEIGHT_SEED, DRAFT_WEIGHT_SEED = 0, 1
@@ -144,13 +147,16 @@ def peek_model(model: str) -> tuple[dict, Any]:
 
 def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
                load_format: str = "auto", seed: int = WEIGHT_SEED,
-               quantization: str | None = None, cache_dir: Path | None = None) -> LoadedModel:
+               quantization: str | None = "auto",
+               cache_dir: Path | None = None) -> LoadedModel:
     """``cache_dir``: where a GGUF file's dequantized weights are kept for the next start
     (models.weight_cache); None keeps none."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} not in {LOAD_FORMATS}")
     check_quantization(quantization, dtype, torch.device(device))
     path = resolve_model_path(model)
+    quantization = resolve_quantization(quantization, path, dtype, torch.device(device),
+                                        load_format)
     if is_gguf(path):
         cached = (cache_dir is not None and load_format != "dummy" and quantization is None
                   and torch.device(device).type == "cpu")
@@ -216,10 +222,12 @@ def _trained_preset(model: str) -> str | None:
 
 
 def _use_quant_layers(net: nn.Module, tensor_types: dict[str, str],
-                      block_types: tuple[str, ...]) -> frozenset[str]:
+                      kernel: str) -> frozenset[str]:
     """Make quantized every linear layer (fused ones and a tied head included) whose GGUF
-    tensors are all of ``block_types``; returns those tensors' HF names. Every other
-    tensor is dequantized."""
+    tensors are all of the types ``kernel`` runs (rung's: every ``BLOCK_TYPES``, fused
+    shards of mixed types too; torch's int4: Q4_0 or Q4_1, one a layer); returns those
+    tensors' HF names. Every other tensor is dequantized; the log says which and why."""
+    block_types = BLOCK_TYPES if kernel == "rung" else INT4_TYPES
     types = dict(tensor_types)
     if getattr(net, "tied", False) and getattr(net, "quantizable_head", False):
         types["lm_head.weight"] = types["model.embed_tokens.weight"]   # its blocks serve both
@@ -230,23 +238,47 @@ def _use_quant_layers(net: nn.Module, tensor_types: dict[str, str],
             layer = layer.replace(f".{part}", f".{fused}") if layer.endswith(part) else layer
         by_layer.setdefault(layer, {})[hf_name] = type_name
     chosen = {layer: parts for layer, parts in by_layer.items()
-              if _quant_layer(net, layer, parts, block_types)}
+              if _quant_layer(net, layer, parts, block_types, kernel == "rung")}
     use_quant_linears(net, set(chosen))
-    logger.info("GGUF: %d linear layers stay quantized (%s); %d other tensors are "
-                "dequantized", len(chosen), " / ".join(block_types),
-                len(types) - sum(map(len, chosen.values())))
+    quantized = collections.Counter(t for parts in chosen.values() for t in parts.values())
+    dequantized = collections.Counter(
+        (t, _why_dequantized(net, layer, t, block_types, kernel))
+        for layer, parts in by_layer.items() if layer not in chosen for t in parts.values())
+    logger.info("GGUF: %d linear layers run quantized on %s's kernel (%s); dequantized: %s",
+                len(chosen), kernel,
+                ", ".join(f"{t} x{n}" for t, n in sorted(quantized.items())) or "none",
+                "; ".join(f"{t} x{n} ({why})" for (t, why), n in sorted(dequantized.items()))
+                or "nothing")
     return frozenset(name for parts in chosen.values() for name in parts)
 
 
+def _why_dequantized(net: nn.Module, layer: str, type_name: str,
+                     block_types: tuple[str, ...], kernel: str) -> str:
+    """Why a tensor of ``layer`` is dequantized, in a few words for the start-up log."""
+    if type_name in ("F32", "F16", "BF16"):
+        return "stored as floats"
+    try:
+        module = net.get_submodule(layer)
+    except AttributeError:
+        return "not a linear layer"
+    if isinstance(module, nn.Embedding):
+        return "the embedding's row gather"
+    if type(module) not in (nn.Linear, MergedLinear) or module.bias is not None:
+        return "not a bias-free linear layer"
+    if type_name not in block_types:
+        return f"{kernel}'s kernel lacks {type_name}"
+    return "its fused shards mix types or shapes the kernel refuses"
+
+
 def _quant_layer(net: nn.Module, layer: str, parts: dict[str, str],
-                 block_types: tuple[str, ...]) -> bool:
+                 block_types: tuple[str, ...], mixed_types: bool) -> bool:
     try:
         module = net.get_submodule(layer)
     except AttributeError:
         return False
     return (type(module) in (nn.Linear, MergedLinear) and module.bias is None
             and all(t in block_types for t in parts.values())
-            and len({t == "Q8_0" for t in parts.values()}) == 1      # one bit width a layer
+            and (len(set(parts.values())) == 1 or mixed_types)
             # a tensor a shard, or one tensor holding them all (Phi-3's fused ones)
             and len(parts) in (1, len(getattr(module, "shard_sizes", [None])))
             and check_packable(module.out_features, module.in_features) is None)
@@ -257,6 +289,25 @@ def _open_gguf(path: str) -> GGUFModel:
     """Parsing a GGUF header takes seconds (every vocabulary string is a numpy view), so a
     CLI's peek_model and the engine's load share one parse."""
     return GGUFModel(path)
+
+
+def resolve_quantization(quantization: str | None, path: str, dtype: torch.dtype,
+                         device: torch.device, load_format: str = "auto") -> str | None:
+    """"auto" -> "gguf" for a GGUF file with tensors in types a kernel on ``device`` serves
+    and a ``dtype`` it runs, else None (said in the log); other values as given."""
+    if quantization != "auto":
+        return quantization
+    if not is_gguf(path) or load_format == "dummy":
+        return None
+    kernel = quant_kernel(device)
+    if kernel == "torch_int4" and dtype != ACTIVATION_DTYPE:
+        logger.info("GGUF: every weight dequantized to %s: the quantized kernel on %s "
+                    "(torch's int4) takes %s activations", dtype, device, ACTIVATION_DTYPE)
+        return None
+    served = BLOCK_TYPES if kernel == "rung" else INT4_TYPES
+    if not set(_open_gguf(path).tensor_types().values()) & set(served):
+        return None         # an F32 / F16 file: nothing to keep in blocks
+    return "gguf"
 
 
 def check_quantization(quantization: str | None, dtype: torch.dtype,
@@ -323,8 +374,7 @@ def _gguf_weights(net: nn.Module, gguf_model: GGUFModel, dtype: torch.dtype, dev
     else:
         if quantization == "gguf":
             kernel = quant_kernel(torch.device(device))
-            block_names = _use_quant_layers(net, gguf_model.tensor_types(),
-                                            BLOCK_TYPES if kernel == "rung" else INT4_TYPES)
+            block_names = _use_quant_layers(net, gguf_model.tensor_types(), kernel)
         net.load_weights(gguf_model.weights(block_names))
     head_t = tied_head_fp32_t(net) if block_names and dtype != torch.float32 else None
     net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -43,7 +43,7 @@ def parse_dtype(dtype: str | torch.dtype, device: torch.device,
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        int4_bf16 = quantization is not None and quant_kernel(device) == "torch_int4"
+        int4_bf16 = quantization == "gguf" and quant_kernel(device) == "torch_int4"
         return torch.bfloat16 if device.type == "cuda" or int4_bf16 else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
@@ -202,7 +202,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     speculative: SpeculativeConfig | None = None
     load_format: str = "auto"
-    quantization: str | None = None        # "gguf": Q4_0 / Q4_1 weights stay int4
+    quantization: str | None = "auto"      # models.loader.QUANTIZATIONS
     data_parallel_size: int = 1
     data_parallel_timeout_s: float = 120.0    # a collective waiting longer fails the rank
     enable_prefix_caching: bool = True

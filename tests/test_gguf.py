@@ -7,8 +7,10 @@ import torch
 from helpers import FAMILY_CONFIGS, assert_matches_hf, hf_family_model, random_prompts
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from rung.kernels import gguf_cpu
 from rung.models import loader
 from rung.models.gguf import GGUFModel, dequantize_numpy
+from rung.models.layers import QuantLinear
 from rung.models.loader import load_model, resolve_model_path
 from rung.runtime import LLM, SamplingParams
 
@@ -178,7 +180,16 @@ def test_quantized_weights_dequantize(tmp_path, qtype):
     # q/k come back un-permuted: close to HF's rows, not to the interleaved ones
     q = hf_model.state_dict()["model.layers.0.self_attn.q_proj.weight"].numpy()
     assert np.abs(loaded["model.layers.0.self_attn.q_proj.weight"].numpy() - q).max() < 0.05
-    assert load_model(path).model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    dequantized = load_model(path, quantization=None).model
+    assert dequantized.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    # by default a block-quantized file runs in its own blocks, a float one in floats
+    down = load_model(path).model.model.layers[0].mlp.down_proj
+    if qtype.startswith("Q") and gguf_cpu.available() is None:
+        assert isinstance(down, QuantLinear) and down.type_name == qtype
+        assert not any(p.dtype.is_floating_point and p.dim() == 2 and p.shape[0] > 1
+                       for p in down.parameters())
+    elif not qtype.startswith("Q"):
+        assert down.weight.dtype == torch.float32
 
 
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
@@ -319,13 +330,13 @@ def test_second_load_maps_the_cached_dequantized_weights(tmp_path, arch, monkeyp
     the file; an unreadable entry is dropped and the file loaded again."""
     path = write_gguf(tmp_path / "q.gguf", _hf_model(arch), arch, qtype="Q8_0")
     cache = tmp_path / "cache"
-    uncached_load = load_model(path)
+    uncached_load = load_model(path, quantization=None)
     uncached = uncached_load.model
-    first = load_model(path, cache_dir=cache).model
+    first = load_model(path, quantization=None, cache_dir=cache).model
     [entry] = (cache / "weights").glob("*.pt")
     with monkeypatch.context() as m:                       # no GGUF header parsed
         m.setattr(loader, "_open_gguf", lambda _: pytest.fail("parsed the GGUF file"))
-        mapped_load = load_model(path, cache_dir=cache)
+        mapped_load = load_model(path, quantization=None, cache_dir=cache)
     mapped = mapped_load.model
     text = "hello world, hello"
     for field in ("config", "generation_stop_ids"):
@@ -351,7 +362,7 @@ def test_second_load_maps_the_cached_dequantized_weights(tmp_path, arch, monkeyp
         assert list(net.state_dict()) == list(uncached.state_dict())
         assert _ties(net) == _ties(uncached)           # tied names share one tensor object
     entry.write_bytes(b"not weights")
-    again = load_model(path, cache_dir=cache).model
+    again = load_model(path, quantization=None, cache_dir=cache).model
     assert all(torch.equal(t, want[n]) for n, t in tensors(again).items())
     assert entry.stat().st_size > 100                        # rewritten from the file
 

@@ -224,3 +224,29 @@ def test_smollm2_q4_1_compiled_graphs_go_live_with_the_eager_text():
         if not eager:
             assert llm.engine.stats()["graph_replays"]["FULL:1"] >= 10
     assert texts[0] == texts[1]
+
+
+def test_default_smollm2_runs_its_file_types_and_answers_the_readme_question():
+    """`LLM("smollm2-135m")` with no quantization argument serves the file's Q4_1 layers
+    and Q8_0 head in their blocks (no fp32 copy of them) and answers README's first
+    question as README shows, as the dequantized fp32 model (quantization=None) does."""
+    from rung.models.loader import resolve_model_path
+    from rung.runtime import LLM, SamplingParams
+
+    try:
+        resolve_model_path("smollm2-135m")
+    except ValueError as e:
+        pytest.skip(f"SmolLM2 weights not installed ({e})")
+    if gguf_cpu.available() is not None:
+        pytest.skip(f"rung's GGUF CPU kernel is not available: {gguf_cpu.available()}")
+    conversation = [[{"role": "user", "content": "What is the capital of Japan?"}]]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    texts = []
+    for kwargs in ({}, {"quantization": None}):
+        llm = LLM("smollm2-135m", device="cpu", max_model_len=96, max_num_seqs=1,
+                  enforce_eager=True, **kwargs)
+        model = llm.engine.loaded.model
+        quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        assert len(quantized) == (121 if not kwargs else 0)
+        texts.append(llm.chat(conversation, params, use_tqdm=False)[0].outputs[0].text)
+    assert texts == ["The capital of Japan is Tokyo."] * 2

@@ -47,7 +47,7 @@ def _hf_greedy(hf_model, prompt: list[int], num_tokens: int) -> tuple[list[int],
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 def test_smollm2_chat_matches_hf_gguf_loader(hf_model, enforce_eager):
     llm = LLM("smollm2-135m", dtype="float32", device="cpu", max_model_len=128,
-              max_num_seqs=4, enforce_eager=enforce_eager)
+              max_num_seqs=4, enforce_eager=enforce_eager, quantization=None)
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, logprobs=0)
     outs = llm.chat(_conversations(QUESTIONS), params)
     for question, out in zip(QUESTIONS, outs):

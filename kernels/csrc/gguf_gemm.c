@@ -1,37 +1,61 @@
-/* GGUF block-quantized weights times fp32 activations on x86 CPUs (AVX2, FMA, F16C).
+/* GGUF block-quantized weights times fp32 activations on x86 CPUs (AVX2, FMA, F16C; the
+ * same source built a second time with AVX-512 VNNI, GGUF_VNNI defined, where dpbusd
+ * does maddubs + madd in one instruction: the integer sums are the same, so are results).
  *
- * A weight [N, K] holds a GGUF file's blocks of 32 weights along K, bytes as the file
- * has them, regrouped per row (same size as the file):
+ * A weight [N, K] holds a GGUF file's blocks of 32 weights along K (K-quants: super-blocks
+ * of 256 = 8 groups of 32), each block's bytes regrouped per row, lossless (G = K / 32
+ * groups, S = G / 8 super-blocks; kernels/gguf_cpu.py writes this layout):
  *
- *     row n = [ values of its G = K / 32 blocks | G f16 scales d | G f16 minimums m ]
+ *     Q4_0  [nibbles 16G | d G]                 w = d q - 8 d        q 0..15
+ *     Q4_1  [nibbles 16G | d G | m G]           w = d q + m
+ *     Q8_0  [int8 32G | d G]                    w = d q              q -128..127
+ *     Q5_0  [nibbles 16G | high bits 4G | d G]  w = d q - 16 d       q 0..31
+ *     Q5_1  [nibbles 16G | high bits 4G | d G | m G]        w = d q + m
+ *     Q4_K  [nibbles 16G | d S | dmin S | sc G | mn G]     w = d sc q - dmin mn (per group)
+ *     Q5_K  [nibbles 16G | high bits 32S | d S | dmin S | sc G | mn G]    q 0..31
+ *     Q6_K  [low nibbles 16G | high pairs 8G | int8 sc 2G | d S]  w = d sc16 (q - 32), q 0..63
  *
- *     Q4_0  16 bytes of nibbles a block, d         w = d q - 8 d
- *     Q4_1  16 bytes of nibbles a block, d, m      w = d q + m
- *     Q8_0  32 int8 a block, d                     w = d q
+ * (d, m, dmin: f16; sc, mn: the 6-bit K-quant scales unpacked to a byte each; Q6_K's int8
+ * scale per 16 weights). The nibble and high-bit layouts are the file's own: legacy blocks
+ * hold weight j in the low half of byte j and j + 16 in its high half, bit j of their 32
+ * high bits for weight j; K-quant super-blocks hold groups 2i and 2i + 1 in the low and
+ * high halves of 32 bytes, Q5_K bit i of high byte l for weight l of group i, Q6_K the
+ * layout of its ql / qh arrays (two halves of 128 weights).
  *
- * (byte j of a block's nibbles holds weight j in its low half and weight j + 16 in its
- * high half). Like llama.cpp, each 32-group of an activation row is first rounded to
- * int8 with its own scale (dx = max|x| / 127, xq = round(x / dx)), so a group's dot
- * product is one integer dot:
+ * Like llama.cpp, each 32-group of an activation row is first rounded to int8 with its
+ * own scale (dx = max|x| / 127, xq = round(x / dx)), so a group's dot product is one
+ * integer dot:
  *
- *     sum_k w (dx xq)  =  d dx sum_k q xq  +  z dx sum_k xq       (z = -8 d, m or 0)
+ *     sum_k w (dx xq)  =  s dx sum_k q xq  +  z dx sum_k xq    (s: the group's scale,
+ *                                                              z: its offset, or 0)
  *
- * NOTE: the z term sums the rounded x too, so the result is exactly w . x~ (x~ = dx xq)
- * and its error sum_k w (x - x~) is weighted by the centred w; with the exact sum of x it
- * would be weighted by d q (0..15 d, never centred), about twice the error on SmolLM2.
- * gguf_gemm_reference in kernels/gguf_cpu.py is this formula in torch, the tests' oracle.
+ * Q6_K's two scales of 16 multiply the two integer half-dots before the sum (exact in
+ * int32), its -32 is folded into q (signed). NOTE: the z term sums the rounded x too, so
+ * the result is exactly w . x~ (x~ = dx xq) and its error sum_k w (x - x~) is weighted by
+ * the centred w; with the exact sum of x it would be weighted by d q (0..15 d, never
+ * centred), about twice the error on SmolLM2. gguf_gemm_reference in kernels/gguf_cpu.py
+ * is this formula in torch, the tests' oracle.
+ *
+ * INVARIANT (batch invariance): an output element's accumulation order is fixed by K
+ * alone: one accumulator per (weight row, activation row), chunks of 8 groups in order,
+ * the z term then the groups of a chunk, one horizontal sum at the end. The tile shape
+ * (1-4 activation rows, 1-4 weight rows), the thread split and the ISA path never change
+ * it, so a row's result is bit-identical whatever M it is computed in.
  *
  * How it runs (decode, one activation row, is bound by streaming the weights from DRAM):
- * - 4-bit blocks go two at a time: one 32-byte load holds blocks a and b, its low nibbles
- *   are [a 0..15 | b 0..15] and its high nibbles [a 16..31 | b 16..31], so the rounded
- *   activations of a pair are stored in that order ([a 0..15, b 0..15, a 16..31, b
- *   16..31]) and the pair costs one load, two maddubs and one int -> float convert and
+ * - legacy 4-bit blocks go two at a time: one 32-byte load holds blocks a and b, its low
+ *   nibbles are [a 0..15 | b 0..15] and its high nibbles [a 16..31 | b 16..31], so the
+ *   rounded activations of a pair are stored in that order ([a 0..15, b 0..15, a 16..31,
+ *   b 16..31]) and the pair costs one load, two maddubs and one int -> float convert and
  *   fma (the int16 sum of the two maddubs is at most 2 * 2 * 15 * 127, no saturation);
- * - the scales d dx (and the z term) are converted 8 blocks at a time in registers;
+ *   every other type decodes one group into 32 bytes in k order (activations in order);
+ * - the scales s dx (and the z term) are converted 8 groups at a time in registers;
  * - the weight stream is prefetched PREFETCH_AHEAD bytes ahead (measured: the hardware
  *   prefetcher alone left a step's matmuls at a fraction of the read bandwidth, since
  *   the 4-row tiles read 4 streams at once); a prefetch never faults, and past the end
  *   of one weight it warms the next one when the weights are laid out in call order.
+ * - prefill: a tile of up to 4 activation rows reuses each decoded block across them;
+ *   the caller (csrc/gguf_op.cpp) splits (row tile x weight-row chunk) over threads.
  *
  * x [M, K] fp32 and out [M, N] fp32 are row-major and contiguous.
  */
@@ -45,10 +69,36 @@
 #define MAX_ROWS 4              /* activation rows of a tile */
 #define MAX_WROWS 4             /* weight rows of a tile */
 #define PREFETCH_AHEAD 4096     /* bytes (bench/gguf_kernel_ab.py: 2-8 KB measured alike) */
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };         /* kernels/gguf_cpu.py TYPE_CODES */
+/* kernels/gguf_cpu.py TYPE_CODES */
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7 };
 
-static inline int value_bytes(int type) { return type == Q8_0 ? 32 : 16; }
-static inline int block_bytes(int type) { return type == Q4_1 ? 20 : type == Q8_0 ? 34 : 18; }
+#ifdef GGUF_VNNI
+#define GGUF_FN(name) name##_vnni
+#else
+#define GGUF_FN(name) name##_avx2
+#endif
+
+/* legacy (non-K) types: bytes a block before its scales (values, Q5's high bits), in all */
+static inline int value_bytes(int type) {
+    return type == Q8_0 ? 32 : type == Q5_0 || type == Q5_1 ? 20 : 16;
+}
+static inline int block_bytes(int type) {
+    return value_bytes(type) + (type == Q4_1 || type == Q5_1 ? 4 : 2);
+}
+static inline int is_legacy(int type) { return type <= Q5_1; }
+static inline int has_min(int type) { return type == Q4_1 || type == Q5_1; }
+static inline int is_q5(int type) { return type == Q5_0 || type == Q5_1; }
+
+/* bytes of one row of G groups (the layouts of the header) */
+static inline int64_t row_bytes(int type, int64_t G) {
+    const int64_t S = G / 8;
+    switch (type) {
+    case Q4_K: return 18 * G + 4 * S;
+    case Q5_K: return 22 * G + 4 * S;
+    case Q6_K: return 26 * G + 2 * S;
+    default: return block_bytes(type) * G;
+    }
+}
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -128,15 +178,52 @@ static inline __m256 load_f16(const uint16_t *p, int n) {
 }
 
 /* int32 x 8 partial sums of a block's (or pair's) integer dot, as float */
+static inline __m256i dot_u8(__m256i w, __m256i xq) {   /* w unsigned, xq signed */
+#ifdef GGUF_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xq);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), _mm256_set1_epi16(1));
+#endif
+}
+
 static inline __m256 dot_q8(__m256i w, __m256i xq) {    /* maddubs is unsigned x signed */
-    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+    return _mm256_cvtepi32_ps(dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w)));
 }
 
 static inline __m256 dot_q4_pair(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi) {
+#ifdef GGUF_VNNI
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xlo), hi, xhi));
+#else
     const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo),
                                        _mm256_maddubs_epi16(hi, xhi));
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+}
+
+/* Q5 high bits of one block (32 bits, weight j at bit j) -> 0x10 in byte j */
+static inline __m256i high_bits(uint32_t bits) {    /* bit j -> 0x10 in byte j */
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), _mm256_setr_epi64x(
+        0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+                            _mm256_set1_epi8(0x10));
+}
+
+/* Q5 high bits of a pair of blocks a, b (their 2 x 32 bits, a's first) -> 0x10 in the
+ * bytes of [a 0..15 | b 0..15] (lo) and [a 16..31 | b 16..31] (hi), the pair's order */
+static inline void pair_high_bits(uint64_t bits, __m256i *lo, __m256i *hi) {
+    const __m256i v = _mm256_set1_epi64x((long long)bits);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i sixteen = _mm256_set1_epi8(0x10);
+    const __m256i lo_idx = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0404040404040404,
+                                              0x0505050505050505);
+    const __m256i hi_idx = _mm256_setr_epi64x(0x0202020202020202, 0x0303030303030303,
+                                              0x0606060606060606, 0x0707070707070707);
+    *lo = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(
+        _mm256_shuffle_epi8(v, lo_idx), bit), bit), sixteen);
+    *hi = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(
+        _mm256_shuffle_epi8(v, hi_idx), bit), bit), sixteen);
 }
 
 /* Blocks [g, g + nblk) of NB weight rows x MB activation rows into acc, the scales
@@ -172,8 +259,16 @@ static inline __attribute__((always_inline)) void chunk(
         }
         for (int i = 0; i < NB; ++i) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(values[i] + (g + b) * 16));
-            const __m256i lo = _mm256_and_si256(v, nibble);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            __m256i lo = _mm256_and_si256(v, nibble);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            if (is_q5(type)) {
+                uint64_t bits;
+                memcpy(&bits, values[i] + 16 * a->G + 4 * (g + b), 8);
+                __m256i hlo, hhi;
+                pair_high_bits(bits, &hlo, &hhi);
+                lo = _mm256_or_si256(lo, hlo);
+                hi = _mm256_or_si256(hi, hhi);
+            }
             for (int j = 0; j < MB; ++j)
                 acc[i][j] = _mm256_fmadd_ps(dot_q4_pair(lo, hi, xlo[j], xhi[j]),
                                             _mm256_permutevar8x32_ps(dd[i][j], sel), acc[i][j]);
@@ -183,34 +278,38 @@ static inline __attribute__((always_inline)) void chunk(
         const __m256i sel = _mm256_set1_epi32(lane0 + b);
         for (int i = 0; i < NB; ++i) {
             const __m128i v = _mm_loadu_si128((const __m128i *)(values[i] + (g + b) * 16));
-            const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nibble);
+            __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nibble);
+            if (is_q5(type)) {
+                uint32_t bits;
+                memcpy(&bits, values[i] + 16 * a->G + 4 * (g + b), 4);
+                w = _mm256_or_si256(w, high_bits(bits));
+            }
             for (int j = 0; j < MB; ++j) {
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + j * a->K + b * QK));
-                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x),
-                                                    _mm256_set1_epi16(1));
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8(w, x)),
                                             _mm256_permutevar8x32_ps(dd[i][j], sel), acc[i][j]);
             }
         }
     }
 }
 
-/* NB weight rows x MB activation rows at once: NB * MB accumulators, each block loaded
- * once for all MB rows. Constant NB / MB / type after inlining keep them in registers. */
-static inline __attribute__((always_inline)) void tile(
+/* Legacy types: NB weight rows x MB activation rows at once, NB * MB accumulators, each
+ * block loaded once for all MB rows. Constant NB / MB / type after inlining keep them in
+ * registers. */
+static inline __attribute__((always_inline)) void tile_legacy(
         int NB, int MB, int type, const Rounded *a, const uint8_t *weight, int64_t N,
         int64_t n0, int64_t m0, float *out) {
-    const int64_t G = a->G, row_bytes = G * block_bytes(type);
+    const int64_t G = a->G, rb = G * block_bytes(type);
     const uint8_t *values[MAX_WROWS];
     const uint16_t *d[MAX_WROWS];
     __m256 acc[MAX_WROWS][MAX_ROWS];
     for (int i = 0; i < NB; ++i) {
-        values[i] = weight + (n0 + i) * row_bytes;
+        values[i] = weight + (n0 + i) * rb;
         d[i] = (const uint16_t *)(values[i] + G * value_bytes(type));
         for (int j = 0; j < MB; ++j)
             acc[i][j] = _mm256_setzero_ps();
     }
-    const char *ahead = (const char *)(weight + n0 * row_bytes) + PREFETCH_AHEAD;
+    const char *ahead = (const char *)(weight + n0 * rb) + PREFETCH_AHEAD;
     for (int64_t g = 0; g < G; g += CHUNK) {
         const int nblk = G - g < CHUNK ? (int)(G - g) : CHUNK;
         /* NOTE: a last chunk of nblk < 8 blocks reads the scales of the last 8 (lanes
@@ -228,8 +327,8 @@ static inline __attribute__((always_inline)) void tile(
         for (int i = 0; i < NB; ++i) {
             const int n = G < CHUNK ? nblk : CHUNK;
             const __m256 dv = load_f16(d[i] + base, n);
-            __m256 z = type == Q4_1 ? load_f16(d[i] + G + base, n)
-                                    : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
+            __m256 z = has_min(type) ? load_f16(d[i] + G + base, n)
+                                     : _mm256_mul_ps(dv, _mm256_set1_ps(is_q5(type) ? -16.0f : -8.0f));
             if (lane0)
                 z = _mm256_and_ps(z, own);
             for (int j = 0; j < MB; ++j) {
@@ -249,67 +348,215 @@ static inline __attribute__((always_inline)) void tile(
             out[(m0 + j) * N + n0 + i] = hsum(acc[i][j]);
 }
 
-#define TILE(NB, MB) tile(NB, MB, TYPE, a, weight, N, n, m0, out)
 
-/* every (type, MB) pair its own copy, so the inner loops carry no branch */
+static inline __m128i shift_count(int n) { return _mm_cvtsi32_si128(n); }
+
+/* One group (32 weights, k order) of a K-quant row as bytes: unsigned q, or for Q6_K
+ * signed q - 32. */
+static inline __attribute__((always_inline)) __m256i decode_group(
+        int type, const uint8_t *row, int64_t G, int64_t g) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const int64_t s = g / 8, gi = g % 8;
+    if (type == Q4_K || type == Q5_K) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(row + 16 * (g & ~(int64_t)1)));
+        const __m256i q4 = _mm256_and_si256(_mm256_srl_epi16(v, shift_count(4 * (int)(g & 1))),
+                                            nibble);
+        if (type == Q4_K)
+            return q4;
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(row + 16 * G + 32 * s));
+        const __m256i bit = _mm256_set1_epi8((char)(1 << gi));
+        return _mm256_or_si256(q4, _mm256_and_si256(
+            _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), _mm256_set1_epi8(0x10)));
+    }
+    /* Q6_K: group gi of super-block s is half gi / 4, quarter k = gi % 4 */
+    const int k = (int)(gi % 4);
+    const uint8_t *ql = row + 128 * s + 64 * (gi / 4) + 32 * (k & 1);
+    const uint8_t *qh = row + 16 * G + 64 * s + 32 * (gi / 4);
+    const __m256i lo = _mm256_and_si256(
+        _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)ql), shift_count(4 * (k >> 1))),
+        nibble);
+    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(
+        _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)qh), shift_count(2 * k)),
+        _mm256_set1_epi8(0x03)), 4);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+}
+
+/* the integer dot of one decoded group with 32 rounded activations, as float */
+static inline __attribute__((always_inline)) __m256 dot_group(
+        int type, __m256i w, __m256i x, __m256i scales16) {
+    if (type == Q6_K)   /* |q - 32| <= 32: pairs <= 2 * 32 * 127, times |sc| <= 128 */
+        return _mm256_cvtepi32_ps(_mm256_madd_epi16(
+            _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), scales16));
+    return _mm256_cvtepi32_ps(dot_u8(w, x));
+}
+
+/* K-quants, a chunk of 8 groups (its super-block) at a time. */
+static inline __attribute__((always_inline)) void tile_groups(
+        int NB, int MB, int type, int PRE, const Rounded *a, const uint8_t *weight, int64_t N,
+        int64_t n0, int64_t m0, const int8_t *dec, int64_t dec_n0, float *out) {
+    const int64_t G = a->G, S = G / 8, rb = row_bytes(type, G);
+    const int has_z = type != Q6_K;
+    const uint8_t *row[MAX_WROWS];
+    __m256 acc[MAX_WROWS][MAX_ROWS];
+    for (int i = 0; i < NB; ++i) {
+        row[i] = weight + (n0 + i) * rb;
+        for (int j = 0; j < MB; ++j)
+            acc[i][j] = _mm256_setzero_ps();
+    }
+    const char *ahead = (const char *)(weight + n0 * rb) + PREFETCH_AHEAD;
+    for (int64_t g = 0; g < G; g += CHUNK) {
+        /* a chunk is one super-block (K-quant rows hold whole super-blocks) */
+        const int nblk = CHUNK, lane0 = 0;
+        const int64_t base = g, chunk_bytes = NB * rb / (G / CHUNK);
+        for (int64_t off = 0; off < chunk_bytes; off += 64)
+            _mm_prefetch(ahead + off, _MM_HINT_T0);
+        ahead += chunk_bytes;
+        __m256 dd[MAX_WROWS][MAX_ROWS];
+        for (int i = 0; i < NB; ++i) {
+            __m256 dv, z = _mm256_setzero_ps();
+            if (type == Q6_K) {
+                const uint16_t *d = (const uint16_t *)(row[i] + 26 * G);
+                dv = _mm256_set1_ps(_cvtsh_ss(d[g / 8]));
+            } else {
+                const uint8_t *p = row[i] + (type == Q4_K ? 16 : 20) * G;
+                const uint16_t *d = (const uint16_t *)p;
+                const uint8_t *sc = p + 4 * S, *mn = sc + G;
+                const int64_t s = g / 8;
+                dv = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d[s])), _mm256_cvtepi32_ps(
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + g)))));
+                z = _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(d[S + s])), _mm256_cvtepi32_ps(
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + g)))));
+            }
+            for (int j = 0; j < MB; ++j) {
+                const int64_t r = (m0 + j) * a->G_padded + base;
+                dd[i][j] = _mm256_mul_ps(dv, _mm256_loadu_ps(a->dx + r));
+                if (has_z)
+                    acc[i][j] = _mm256_fmadd_ps(z, _mm256_loadu_ps(a->xsum + r), acc[i][j]);
+            }
+        }
+        for (int b = 0; b < nblk; ++b) {
+            const __m256i sel = _mm256_set1_epi32(lane0 + b);
+            __m256i x[MAX_ROWS];
+            for (int j = 0; j < MB; ++j)
+                x[j] = _mm256_loadu_si256((const __m256i *)(a->xq + (m0 + j) * a->K + (g + b) * QK));
+            for (int i = 0; i < NB; ++i) {
+                const __m256i w = PRE ? _mm256_loadu_si256((const __m256i *)(
+                                            dec + (n0 + i - dec_n0) * a->K + (g + b) * QK))
+                                      : decode_group(type, row[i], G, g + b);
+                __m256i scales16 = _mm256_setzero_si256();
+                if (type == Q6_K) {
+                    const int8_t *sc = (const int8_t *)(row[i] + 24 * G) + 2 * (g + b);
+                    scales16 = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
+                }
+                for (int j = 0; j < MB; ++j)
+                    acc[i][j] = _mm256_fmadd_ps(dot_group(type, w, x[j], scales16),
+                                                _mm256_permutevar8x32_ps(dd[i][j], sel), acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < NB; ++i)
+        for (int j = 0; j < MB; ++j)
+            out[(m0 + j) * N + n0 + i] = hsum(acc[i][j]);
+}
+
+static inline __attribute__((always_inline)) void tile(
+        int NB, int MB, int type, int PRE, const Rounded *a, const uint8_t *weight, int64_t N,
+        int64_t n0, int64_t m0, const int8_t *dec, int64_t dec_n0, float *out) {
+    if (is_legacy(type))
+        tile_legacy(NB, MB, type, a, weight, N, n0, m0, out);
+    else
+        tile_groups(NB, MB, type, PRE, a, weight, N, n0, m0, dec, dec_n0, out);
+}
+
+#define TILE(NB, MB) tile(NB, MB, TYPE, PRE, a, weight, N, n, m0, dec, n0, out)
+
+/* weight rows [n0, n1) of activation rows [m0, m0 + MB); every (type, MB) pair its own
+ * copy, so the inner loops carry no branch */
 static inline __attribute__((always_inline)) void rows_tile(
-        const int TYPE, int MB, const Rounded *a, const uint8_t *weight, int64_t N,
-        int64_t m0, float *out) {
-    int64_t n = 0;
+        const int TYPE, const int PRE, int MB, const Rounded *a, const uint8_t *weight,
+        int64_t N, int64_t n0, int64_t n1, int64_t m0, const int8_t *dec, float *out) {
+    int64_t n = n0;
     if (MB == 1) {      /* one row: four weight rows at once hide the fma latency */
-        for (; n + 4 <= N; n += 4) TILE(4, 1);
-        for (; n < N; ++n) TILE(1, 1);
+        for (; n + 4 <= n1; n += 4) TILE(4, 1);
+        for (; n < n1; ++n) TILE(1, 1);
     } else if (MB == 2) {
-        for (; n + 4 <= N; n += 4) TILE(4, 2);
-        for (; n < N; ++n) TILE(1, 2);
+        for (; n + 4 <= n1; n += 4) TILE(4, 2);
+        for (; n < n1; ++n) TILE(1, 2);
     } else if (MB == 3) {
-        for (; n + 2 <= N; n += 2) TILE(2, 3);
-        for (; n < N; ++n) TILE(1, 3);
+        for (; n + 2 <= n1; n += 2) TILE(2, 3);
+        for (; n < n1; ++n) TILE(1, 3);
     } else {
-        for (; n + 2 <= N; n += 2) TILE(2, 4);
-        for (; n < N; ++n) TILE(1, 4);
+        for (; n + 2 <= n1; n += 2) TILE(2, 4);
+        for (; n < n1; ++n) TILE(1, 4);
     }
 }
 
-/* Scratch for the rounded activations, kept per thread between calls (a decode step
- * makes ~120 calls of a few KB each; no malloc on the hot path once it has grown). */
-static __thread void *scratch_memory;
-static __thread size_t scratch_bytes;
+#define TYPE_CASE(T) case T: if (dec) rows_tile(T, 1, MB, &a, weight, N, n0, n1, m, dec, out); \
+                             else rows_tile(T, 0, MB, &a, weight, N, n0, n1, m, dec, out); \
+                             break
 
-static void *scratch(size_t bytes) {
-    if (bytes > scratch_bytes) {
-        free(scratch_memory);
-        scratch_bytes = (bytes + 4095) & ~(size_t)4095;
-        scratch_memory = aligned_alloc(64, scratch_bytes);
-        if (scratch_memory == NULL)
-            scratch_bytes = 0;
+/* Scratch for decoded weight rows, kept per thread between calls. */
+static __thread int8_t *decoded_memory;
+static __thread size_t decoded_bytes;
+
+static int8_t *decoded_scratch(size_t bytes) {
+    if (bytes > decoded_bytes) {
+        free(decoded_memory);
+        decoded_bytes = (bytes + 4095) & ~(size_t)4095;
+        decoded_memory = aligned_alloc(64, decoded_bytes);
+        if (decoded_memory == NULL)
+            decoded_bytes = 0;
     }
-    return scratch_memory;
+    return decoded_memory;
 }
 
-/* out [M, N] = x [M, K] @ w^T; 0 on success, -1 when scratch memory is short, -2 for an
- * unknown type. */
-int gguf_gemm(const float *x, int64_t M, int64_t K, const uint8_t *weight, int64_t N,
-              int type, float *out) {
-    if (type != Q4_0 && type != Q4_1 && type != Q8_0)
-        return -2;
+/* weight rows [n0, n1) of a K-quant decoded to bytes [n1 - n0, K], k order */
+static void decode_rows(int type, const uint8_t *weight, int64_t K, int64_t n0, int64_t n1,
+                        int8_t *dst) {
+    const int64_t G = K / QK, rb = row_bytes(type, G);
+    for (int64_t n = n0; n < n1; ++n)
+        for (int64_t g = 0; g < G; ++g) {
+            const uint8_t *row = weight + n * rb;
+            __m256i w;
+            switch (type) {   /* constant types: each decode_group inlines its own path */
+            case Q4_K: w = decode_group(Q4_K, row, G, g); break;
+            case Q5_K: w = decode_group(Q5_K, row, G, g); break;
+            default: w = decode_group(Q6_K, row, G, g); break;
+            }
+            _mm256_storeu_si256((__m256i *)(dst + (n - n0) * K + g * QK), w);
+        }
+}
+
+/* Activation rows [m0, m1) x weight rows [n0, n1) of out [M, N] = x [M, K] @ w^T from
+ * the rounded activations (GGUF_FN(round_rows)); 0 on success, -2 for an unknown type. */
+int GGUF_FN(gguf_tiles)(const int8_t *xq, const float *dx, const float *xsum, int64_t K,
+                        const uint8_t *weight, int64_t N, int type, int64_t m0, int64_t m1,
+                        int64_t n0, int64_t n1, float *out) {
     const int64_t G = K / QK, G_padded = (G + CHUNK - 1) / CHUNK * CHUNK;
-    const size_t xq_bytes = ((size_t)(M * K) + 63) & ~(size_t)63;
-    char *memory = scratch(xq_bytes + sizeof(float) * (size_t)(2 * M * G_padded));
-    if (memory == NULL)
-        return -1;
-    int8_t *xq = (int8_t *)memory;
-    float *dx = (float *)(memory + xq_bytes), *xsum = dx + M * G_padded;
-    round_rows(x, M, K, type != Q8_0, xq, dx, xsum, G_padded);
     const Rounded a = {xq, dx, xsum, K, G, G_padded};
-    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-        const int MB = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
-        if (type == Q4_0)
-            rows_tile(Q4_0, MB, &a, weight, N, m0, out);
-        else if (type == Q4_1)
-            rows_tile(Q4_1, MB, &a, weight, N, m0, out);
-        else
-            rows_tile(Q8_0, MB, &a, weight, N, m0, out);
+    /* prefill: a K-quant's rows decoded once for every tile of activation rows
+     * (the same bytes decode_group gives each tile: results do not change) */
+    int8_t *dec = NULL;
+    if (!is_legacy(type) && m1 - m0 > MAX_ROWS && type >= 0 && type <= Q6_K) {
+        dec = decoded_scratch((size_t)((n1 - n0) * K));
+        if (dec != NULL)
+            decode_rows(type, weight, K, n0, n1, dec);
+    }
+    for (int64_t m = m0; m < m1; m += MAX_ROWS) {
+        const int MB = m1 - m < MAX_ROWS ? (int)(m1 - m) : MAX_ROWS;
+        switch (type) {
+            TYPE_CASE(Q4_0); TYPE_CASE(Q4_1); TYPE_CASE(Q8_0); TYPE_CASE(Q5_0);
+            TYPE_CASE(Q5_1); TYPE_CASE(Q4_K); TYPE_CASE(Q5_K); TYPE_CASE(Q6_K);
+            default: return -2;
+        }
     }
     return 0;
+}
+
+/* x rows [0, M) -> xq, dx, xsum (the header's rounding; pairs interleaved for the legacy
+ * 4-bit types); dx and xsum [M, G_padded] with G_padded = G rounded up to 8. */
+void GGUF_FN(gguf_round)(const float *x, int64_t M, int64_t K, int type, int8_t *xq,
+                         float *dx, float *xsum) {
+    const int64_t G = K / QK, G_padded = (G + CHUNK - 1) / CHUNK * CHUNK;
+    round_rows(x, M, K, is_legacy(type) && type != Q8_0, xq, dx, xsum, G_padded);
 }

@@ -38,7 +38,7 @@ class LLM:
                  compilation_config: dict[str, Any] | None = None,
                  attention_backend: str = "auto",
                  speculative_config: dict[str, Any] | None = None,
-                 load_format: str = "auto", quantization: str | None = None,
+                 load_format: str = "auto", quantization: str | None = "auto",
                  num_gpu_blocks_override: int | None = None,
                  debug_padding: bool | None = None, enable_prefix_caching: bool = True,
                  capture_progress: Callable | None = None,

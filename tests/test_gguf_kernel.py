@@ -1,0 +1,133 @@
+"""rung's GGUF CPU kernel on every type it serves (kernels/gguf_cpu.py,
+csrc/gguf_gemm.c, csrc/gguf_op.cpp): each type's block decode against the gguf package's
+own dequantizer (an independent decoder), the kernel against the fp64 reference of its
+formula on both ISA paths and any thread count, and a row's result independent of the
+rows computed beside it (batch invariance)."""
+
+import numpy as np
+import pytest
+import torch
+
+from rung.kernels import gguf_cpu
+from rung.kernels.gguf_cpu import (
+    FILE_BLOCK,
+    KERNEL_TYPES,
+    dequantize_reference,
+    gguf_gemm,
+    gguf_gemm_reference,
+)
+from rung.models.gguf import block_weight
+
+needs_kernel = pytest.mark.skipif(gguf_cpu.available() is not None,
+                                  reason=f"rung's CPU kernel: {gguf_cpu.available()}")
+
+# where each file block keeps its f16 fields (random bytes there could be inf / NaN)
+_F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2),
+               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+NEW_TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+def raw_blocks(type_name: str, num_rows: int, num_cols: int, seed: int) -> np.ndarray:
+    """Random raw data [num_rows, file bytes per row] of ``type_name`` as GGUF stores it:
+    every value, scale and bit pattern random, the f16 fields finite."""
+    rng = np.random.default_rng(seed)
+    block_bytes, groups = FILE_BLOCK[type_name]
+    num_blocks = num_rows * num_cols // (32 * groups)
+    blocks = rng.integers(0, 256, (num_blocks, block_bytes), dtype=np.uint8)
+    for i, start in enumerate(_F16_FIELDS[type_name]):
+        value = rng.random(num_blocks) * 0.02 + 0.001
+        if i == 1 and type_name in ("Q4_1", "Q5_1"):
+            value = rng.standard_normal(num_blocks) * 0.05      # a signed minimum
+        blocks[:, start:start + 2] = value.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(num_rows, -1)
+
+
+def _cols(type_name: str) -> list[int]:
+    """K values that reach every path: legacy types in chunks of 8 groups with a short
+    last one (K = 320, 288: 10 and 9 groups) and a row under a chunk (96); K-quants one and
+    three super-blocks."""
+    return [256, 768] if type_name.endswith("_K") else [320, 288, 96]
+
+
+@pytest.mark.parametrize("type_name", KERNEL_TYPES)
+def test_block_decode_matches_the_gguf_package(type_name):
+    """rung's row layout decodes to the very values the gguf package's reference
+    dequantizer reads from the same file bytes (bit for bit, in fp32)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    num_cols = _cols(type_name)[-1]
+    data = raw_blocks(type_name, 12, num_cols, seed=1)
+    weight = block_weight(data, type_name, (12, num_cols))
+    assert weight.shape == (12, num_cols)
+    want = dequantize(data, GGMLQuantizationType[type_name]).reshape(12, num_cols)
+    torch.testing.assert_close(dequantize_reference(weight), torch.from_numpy(want),
+                               atol=0, rtol=0)
+    # resident bytes: the file's, but for the K-quants' unpacked scales (4 a super-block)
+    assert weight.rows.numel() <= data.size * 1.03
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["avx2", None])
+@pytest.mark.parametrize("type_name", NEW_TYPES)
+def test_kernel_matches_its_reference(type_name, isa):
+    """Every tile (1-4 activation rows; weight rows in fours, twos and ones) of every
+    type on both ISA paths equals the fp64 reference of the kernel's formula (the exact
+    decode times the int8-rounded activations). NOTE: tolerance 2e-6 of the output scale:
+    fp32 accumulation in another order; a wrong bit, nibble half, scale or group order
+    fails it by 100x."""
+    gguf_cpu.set_isa(isa)
+    try:
+        for num_cols in _cols(type_name):
+            weight = block_weight(raw_blocks(type_name, 23, num_cols, seed=num_cols),
+                                  type_name, (23, num_cols))
+            for num_rows in (1, 2, 3, 4, 5, 9):
+                x = torch.randn(num_rows, num_cols,
+                                generator=torch.Generator().manual_seed(num_rows)) * 3
+                got, want = gguf_gemm(x, weight), gguf_gemm_reference(x, weight)
+                assert got.shape == (num_rows, 23)
+                torch.testing.assert_close(got, want, rtol=0,
+                                           atol=2e-6 * want.abs().max().item())
+    finally:
+        gguf_cpu.set_isa(None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", KERNEL_TYPES)
+def test_isa_paths_and_thread_counts_give_identical_bits(type_name):
+    """The AVX-512 VNNI path (where the CPU has it) and the forced AVX2 path compute the
+    same integer dots, and a thread split never reorders a row's sum: the outputs are
+    bit-identical across paths and 1, 2, 3 threads, for decode and prefill shapes."""
+    num_cols = _cols(type_name)[0]
+    weight = block_weight(raw_blocks(type_name, 70, num_cols, seed=5), type_name,
+                          (70, num_cols))
+    threads = torch.get_num_threads()
+    try:
+        for num_rows in (1, 37):
+            x = torch.randn(num_rows, num_cols, generator=torch.Generator().manual_seed(6))
+            outs = []
+            for isa in ("avx2", None):
+                gguf_cpu.set_isa(isa)
+                for n in (1, 2, 3):
+                    torch.set_num_threads(n)
+                    outs.append(gguf_gemm(x, weight))
+            for out in outs[1:]:
+                assert torch.equal(out, outs[0])
+    finally:
+        gguf_cpu.set_isa(None)
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", KERNEL_TYPES)
+def test_a_row_is_bit_identical_in_any_batch(type_name):
+    """Batch invariance: each output row equals, bit for bit, that row computed alone
+    (M = 1), whatever M (tiles of 1-4 rows, prefill tasks of 16) it was computed in."""
+    num_cols = _cols(type_name)[0]
+    weight = block_weight(raw_blocks(type_name, 45, num_cols, seed=7), type_name,
+                          (45, num_cols))
+    x = torch.randn(40, num_cols, generator=torch.Generator().manual_seed(8))
+    alone = torch.cat([gguf_gemm(x[i:i + 1], weight) for i in range(40)])
+    for num_rows in (2, 3, 5, 17, 40):
+        assert torch.equal(gguf_gemm(x[:num_rows], weight), alone[:num_rows])
+    assert torch.equal(gguf_gemm(x[3:40], weight), alone[3:40])
