@@ -2,28 +2,38 @@
 
 The engine serves eagerly from its first step; before each step it calls ``advance``,
 which makes at most one more graph live. Going live is a state change on the serving
-thread only: a capture writes the runner's input buffers (a pad-only batch), so it never
-overlaps a step, and a size's batches replay its graph from the next dispatch on.
+thread only, and a size's batches replay its graph from the next dispatch on.
 
-Compiled CPU graphs cost an inductor compile each; ``advance`` never compiles while a
-``Prefetch`` (a subprocess compiling the same artifacts into the disk cache) is running:
-it binds an artifact once the cache holds it, and skips the step otherwise. Every bound
-artifact must reproduce eager on its capture batch before it goes live.
+FULL CPU graphs (``GraphManager.builds_off_thread``) are built by a worker thread at low
+priority: load (or compile), bind to a scratch capture batch, check against eager there,
+bind to the serving buffers; ``advance`` then only swaps a ready graph into the dispatch
+table. A size that fails its check never goes live: its batches stay eager. Other graphs
+(CUDA, PIECEWISE pieces, a drafter's) are captured by ``advance`` itself: a capture
+writes the runner's input buffers (a pad-only batch), so it never overlaps a step.
+
+Compiled CPU graphs cost an inductor compile each; nothing compiles while a ``Prefetch``
+(a subprocess compiling the same artifacts into the disk cache) is running: a graph is
+built once the cache holds its artifacts. Every bound artifact must reproduce eager on
+its capture batch before it goes live.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import queue
+import threading
 import time
 from typing import Callable, Protocol
 
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.graph_mode import CUDAGraphMode
-from rung.graphs.manager import CaptureRecord, GraphManager
+from rung.graphs.manager import CaptureRecord, GraphManager, ReadyGraph
 
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.2      # how often a serving step looks for newly built artifacts
+BUILDER_NICENESS = 10      # the worker thread's: it takes the cycles serving leaves
 
 
 class Prefetch(Protocol):
@@ -39,7 +49,9 @@ class Prefetch(Protocol):
 class GraphBuilder:
     def __init__(self, manager: GraphManager, after: Callable[[], None] | None = None,
                  progress: Callable[[CaptureRecord], None] | None = None,
-                 prefetch: Prefetch | None = None) -> None:
+                 prefetch: Prefetch | None = None, off_thread: bool = False) -> None:
+        """``off_thread``: FULL graphs are built by a worker thread (``_Worker``), where
+        the manager can (``builds_off_thread``)."""
         self.manager = manager
         self.pending = _build_order(manager.dispatcher.capture_descriptors())
         self.num_graphs = len(self.pending)
@@ -50,6 +62,16 @@ class GraphBuilder:
         self.finished_s: float | None = None    # seconds from start until every graph was live
         self._prefetch_failed = False
         self._polled = float("-inf")
+        self._worker: _Worker | None = None
+        if off_thread and manager.builds_off_thread:
+            keys = [k for k in self.pending if k.mode == CUDAGraphMode.FULL]
+            if keys:
+                self._worker = _Worker(manager, keys, prefetch)
+
+    @property
+    def off_thread(self) -> bool:
+        """Whether a worker thread builds the FULL graphs."""
+        return self._worker is not None
 
     @property
     def done(self) -> bool:
@@ -60,6 +82,13 @@ class GraphBuilder:
         with ``may_compile`` or when no prefetch is building the artifacts."""
         if self.done:
             return None
+        if self._worker is not None:
+            ready = self._worker.take()
+            if ready is not None:
+                return self._go_live(ready)
+            if not self._worker.finished:
+                return None
+            self._worker = None      # NOTE: what it left (not built yet): on this thread
         if not self.pending:
             if not may_compile and self._prefetching():
                 return None      # NOTE: it compiles the drafter's artifacts too: bind those
@@ -71,7 +100,24 @@ class GraphBuilder:
         if key is None:
             return None
         self.pending.remove(key)
-        record = self.manager.capture(key)
+        return self._went_live(self.manager.capture(key))
+
+    def _go_live(self, ready: ReadyGraph | tuple[BatchExecutionDescriptor, str]
+                 ) -> CaptureRecord | None:
+        """A graph the worker built: swapped in; or why it failed: its size stays eager."""
+        if isinstance(ready, tuple):
+            key, why = ready
+            self.pending.remove(key)
+            logger.warning("graph %s %d does not go live: %s; batches of its size run "
+                           "eagerly", key.mode.name, key.num_tokens_padded, why)
+            if self.done:
+                self._finish()
+            return None
+        self.pending.remove(ready.key)
+        self.manager.go_live(ready)
+        return self._went_live(ready.record)
+
+    def _went_live(self, record: CaptureRecord) -> CaptureRecord:
         logger.info("graph %s %d live (%d/%d)%s", record.mode, record.num_tokens_padded,
                     self.num_graphs - len(self.pending), self.num_graphs, _cost(record))
         if self._progress is not None:
@@ -122,7 +168,9 @@ class GraphBuilder:
             if deadline is not None and time.perf_counter() > deadline:
                 return False
             prefetching = self.prefetch is not None and self.prefetch.poll() is None
-            if self.advance(may_compile=not prefetching) is None and prefetching:
+            building = self._worker is not None and not self._worker.finished
+            if self.advance(may_compile=not prefetching) is None and (prefetching
+                                                                      or building):
                 time.sleep(0.05)
         return True
 
@@ -137,6 +185,59 @@ class GraphBuilder:
         self.finished_s = time.perf_counter() - self.started
         logger.info("all %d graphs live %.1f s after start-up", self.num_graphs,
                     self.finished_s)
+
+
+class _Worker:
+    """A thread that builds FULL graphs (``GraphManager.build``) in order, at low
+    priority, into a queue the serving thread takes them from (``take``). It waits for a
+    running prefetch to put a graph's artifacts in the cache, and stops at the first graph
+    whose artifacts nobody is building: the serving thread then takes over."""
+
+    def __init__(self, manager: GraphManager, keys: list[BatchExecutionDescriptor],
+                 prefetch: Prefetch | None) -> None:
+        self._manager, self._keys, self._prefetch = manager, keys, prefetch
+        # a built graph, or (its key, why it failed its build or check)
+        self._built: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Event()          # set once nothing more will be queued
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="rung-graph-builder")
+        self._thread.start()
+
+    @property
+    def finished(self) -> bool:
+        """Whether it stopped and every graph it built was taken."""
+        return self._done.is_set() and self._built.empty()
+
+    def take(self) -> ReadyGraph | tuple[BatchExecutionDescriptor, str] | None:
+        try:
+            return self._built.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _run(self) -> None:
+        _lower_priority()
+        try:
+            for key in self._keys:
+                while not self._manager.is_ready(key):
+                    if self._prefetch is None or self._prefetch.poll() is not None:
+                        return
+                    time.sleep(POLL_INTERVAL_S)
+                try:
+                    self._built.put(self._manager.build(key))
+                except Exception as e:  # noqa: BLE001 - reported by the serving thread
+                    self._built.put((key, f"{type(e).__name__}: {str(e).splitlines()[0]}"))
+        finally:
+            self._done.set()
+
+
+def _lower_priority() -> None:
+    """This thread at BUILDER_NICENESS (Linux: niceness is per thread)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid),
+                                                 BUILDER_NICENESS))
+    except (AttributeError, OSError):       # NOTE: not Linux: the thread runs as is
+        pass
 
 
 def _build_order(keys: list[BatchExecutionDescriptor]) -> list[BatchExecutionDescriptor]:

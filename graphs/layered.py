@@ -85,6 +85,8 @@ class LayeredGraph(CapturedGraph):
         self.compile_s: float | None = None
         self.load_s: float | None = None
         self.artifact_key: str | None = None     # "+"-joined keys of its artifacts
+        # (graph key, symbolic batch) its artifacts were bound with (``rebind_layers``)
+        self.bound_as: tuple[dict[str, Any], bool] | None = None
 
     def forward(self, inputs: Sequence[torch.Tensor], rows: torch.Tensor) -> ForwardOutput:
         if self.poison is not None:     # debug mode: the identity check, then garbage
@@ -137,7 +139,8 @@ class LayeredGraph(CapturedGraph):
 
 def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor],
                    parts: DecoderParts, ctx: ForwardContext,
-                   graph_key: dict[str, Any], symbolic: bool) -> LayeredGraph | None:
+                   graph_key: dict[str, Any], symbolic: bool,
+                   off_thread: bool = False) -> LayeredGraph | None:
     """The FULL graph of the model's forward on ``inputs`` (ids, positions; in ``ctx``)
     from per-layer artifacts, each compiled once per kind or loaded from the disk cache.
 
@@ -146,6 +149,10 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
     and lm head, fed the eager last hidden states (``_check_epilogues``). Loaded artifacts
     that do not are dropped and compiled again (once); None when freshly compiled ones do
     not either (e.g. a size the symbolic trace specialised).
+
+    ``off_thread``: built while the serving thread runs steps; the check then leaves the
+    process's torch thread count alone (another thread's matmuls read it) and runs its
+    eager layers on this thread, after each artifact.
     """
     start = time.perf_counter()
     with torch.no_grad():
@@ -157,7 +164,7 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
             # NOTE: eager beside the artifacts only where these run on one thread: an
             # artifact generated for more waits at each parallel loop's barrier for a core
             # the eager thread holds (SmolLM2 at 2 threads: ~10x the layer's time)
-            overlap = backend.threads == 1
+            overlap = backend.threads == 1 and not off_thread
             with _one_thread() if overlap else contextlib.nullcontext():
                 with _Teacher(parts, inputs[0], inputs[1], _eager_context(ctx),
                               mismatches, overlap) as teacher:
@@ -172,6 +179,7 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
             compiled = graph.compile_s is not None
             graph.compile_s, graph.load_s = (seconds, None) if compiled else (None, seconds)
             graph.nbytes = graph.outputs.numel() * graph.outputs.element_size()
+            graph.bound_as = (graph_key, symbolic)
             return graph
         logger.warning("per-layer graph of %d tokens %s", inputs[0].shape[0],
                        why.splitlines()[0])
@@ -180,6 +188,28 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
         for key in loaded:
             backend.forget(key)
     return None
+
+
+def rebind_layers(graph: LayeredGraph, backend: CompiledGraphBackend,
+                  inputs: Sequence[torch.Tensor], ctx: ForwardContext) -> LayeredGraph:
+    """``graph`` (checked on its capture batch) bound to ``inputs`` (ids, positions, ...;
+    in ``ctx``) of the same shapes: the same artifacts, the arguments of every call taken
+    from these buffers. Runs no layer, loads and compiles nothing (RuntimeError if an
+    artifact is not in this process)."""
+    if graph.bound_as is None:
+        raise RuntimeError("rebind_layers of a graph capture_layers did not check")
+    graph_key, symbolic = graph.bound_as
+    with torch.no_grad():
+        specs = layer_specs(backend, graph.parts, ctx, inputs[0], inputs[1], graph_key,
+                            symbolic)
+    missing = [spec.key for spec in specs if spec.key not in backend.artifacts]
+    if missing:
+        raise RuntimeError(f"rebinding a per-layer graph: artifacts {missing[:2]} are not "
+                           "in this process (the buffers differ in shape from the capture's)")
+    bound, _ = _bind_layers(backend, inputs, graph.parts, ctx, specs)
+    bound.outputs, bound.nbytes, bound.bound_as = graph.outputs, graph.nbytes, graph.bound_as
+    bound.compile_s, bound.load_s = graph.compile_s, graph.load_s
+    return bound
 
 
 class _Teacher:

@@ -170,14 +170,16 @@ class GraphStartup:
         if startup == "background" and getattr(graphs.capture_backend, "cache", None) is not None \
                 and not all(map(graphs.is_ready, graphs.dispatcher.capture_descriptors())):
             prefetch = start_prefetch(config, max_model_len, graphs.capture_backend.threads)
-        self.builder = GraphBuilder(graphs, after, progress, prefetch)
+        self.builder = GraphBuilder(graphs, after, progress, prefetch,
+                                    off_thread=startup == "background")
         # NOTE: a plain flag, read before every step: once all is live, a step pays one
         # attribute read here, no call into the builder
         self.all_live = self.builder.done
         if startup == "background":
             logger.info("serving eagerly from the first step; %d graphs go live as they are "
                         "built (%s); llm.wait_for_graphs() waits for them", total,
-                        "compiling in a subprocess" if prefetch else "between steps")
+                        "compiling in a subprocess" if prefetch else "built off the "
+                        "serving thread" if self.builder.off_thread else "between steps")
             return
         start = time.perf_counter()
         self.wait()
