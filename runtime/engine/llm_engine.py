@@ -132,6 +132,12 @@ class LLMEngine:
         self.graph_startup.advance()
         return not self.graph_startup.all_live
 
+    def detach_graph_compile(self) -> int | None:
+        """Let the background compile of this engine's graphs outlive it (a one-shot
+        command about to exit), so a later run starts on graphs: its pid, or None when
+        none is running."""
+        return None if self.graph_startup is None else self.graph_startup.detach_compile()
+
     def has_unfinished_requests(self) -> bool:
         """Requests still running or waiting, or outputs still to be returned by step()."""
         return self.scheduler.has_unfinished() or bool(self._requeued)

@@ -169,7 +169,8 @@ class GraphStartup:
         # The first size missing one ends the look (a cold start pays one key, ~30 ms).
         if startup == "background" and getattr(graphs.capture_backend, "cache", None) is not None \
                 and not all(map(graphs.is_ready, graphs.dispatcher.capture_descriptors())):
-            prefetch = start_prefetch(config, max_model_len, graphs.capture_backend.threads)
+            prefetch = start_prefetch(config, max_model_len, graphs.capture_backend.threads,
+                                      graphs.capture_backend.cache.root)
         self.builder = GraphBuilder(graphs, after, progress, prefetch,
                                     off_thread=startup == "background")
         # NOTE: a plain flag, read before every step: once all is live, a step pays one
@@ -192,6 +193,11 @@ class GraphStartup:
             self.all_live = True
             self.bar.close()
         return done
+
+    def detach_compile(self) -> int | None:
+        """Let a running background compile outlive this process: its pid, or None."""
+        prefetch = self.builder.prefetch
+        return prefetch.detach() if prefetch is not None else None
 
     def advance(self) -> None:
         """Between two steps: at most one more graph goes live (see GraphBuilder)."""
