@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
               "waves": len(got), "steps": len(steps), "live": graphs["live"],
               "pending": graphs["pending"], "tokens_match_eager": same,
               **_summary(steps),
-              "steps": [[round(s["ms"], 2), s["ran"], s["went_live"]] for s in steps]}
+              "step_log": [[round(s["ms"], 2), s["ran"], s["went_live"]] for s in steps]}
     for s in report["switch_steps"]:
         print(f"step {s['ms']:9.1f} ms  went live: {', '.join(s['went_live'])}")
     print("eager step p50 {}, graph step p50 {}, worst stall {}, worst decode step of the "

@@ -7,7 +7,10 @@ thread only, and a size's batches replay its graph from the next dispatch on.
 FULL CPU graphs (``GraphManager.builds_off_thread``) are built by a worker thread at low
 priority: load (or compile), bind to a scratch capture batch, check against eager there,
 bind to the serving buffers; ``advance`` then only swaps a ready graph into the dispatch
-table. A size that fails its check never goes live: its batches stay eager. Other graphs
+table. A size that fails its check never goes live: its batches stay eager. The worker
+builds first the size the last batch ran eagerly for want of (``Dispatcher.missed``),
+else the smallest; while steps run it works at most half the time (its Python takes the
+GIL a step needs), flat out while the engine is idle. Other graphs
 (CUDA, PIECEWISE pieces, a drafter's) are captured by ``advance`` itself: a capture
 writes the runner's input buffers (a pad-only batch), so it never overlaps a step.
 
@@ -34,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.2      # how often a serving step looks for newly built artifacts
 BUILDER_NICENESS = 10      # the worker thread's: it takes the cycles serving leaves
+IDLE_S = 0.2               # no step for this long (and 2 step intervals): the engine is idle
 
 
 class Prefetch(Protocol):
@@ -77,12 +81,16 @@ class GraphBuilder:
     def done(self) -> bool:
         return not self.pending and self._after is None
 
-    def advance(self, may_compile: bool = False) -> CaptureRecord | None:
-        """Make at most one graph live (the serving thread, between steps). Compiles only
-        with ``may_compile`` or when no prefetch is building the artifacts."""
+    def advance(self, may_compile: bool = False, stepping: bool = True
+                ) -> CaptureRecord | None:
+        """Make at most one graph live (the serving thread, between steps; ``stepping``:
+        a step follows). Compiles only with ``may_compile`` or when no prefetch is building
+        the artifacts."""
         if self.done:
             return None
         if self._worker is not None:
+            if stepping:
+                self._worker.note_step(self._missed())
             ready = self._worker.take()
             if ready is not None:
                 return self._go_live(ready)
@@ -101,6 +109,16 @@ class GraphBuilder:
             return None
         self.pending.remove(key)
         return self._went_live(self.manager.capture(key))
+
+    def _missed(self) -> BatchExecutionDescriptor | None:
+        """The pending graph the last batch ran eagerly for want of, if any."""
+        dispatcher = self.manager.dispatcher
+        missed, dispatcher.missed = dispatcher.missed, None
+        if missed is None:
+            return None
+        uniform, size = missed
+        return next((k for k in self.pending if k.num_tokens_padded == size
+                     and (k.uniform_query_len is not None) == uniform), None)
 
     def _go_live(self, ready: ReadyGraph | tuple[BatchExecutionDescriptor, str]
                  ) -> CaptureRecord | None:
@@ -169,7 +187,7 @@ class GraphBuilder:
                 return False
             prefetching = self.prefetch is not None and self.prefetch.poll() is None
             building = self._worker is not None and not self._worker.finished
-            if self.advance(may_compile=not prefetching) is None and (prefetching
+            if self.advance(not prefetching, stepping=False) is None and (prefetching
                                                                       or building):
                 time.sleep(0.05)
         return True
@@ -188,14 +206,20 @@ class GraphBuilder:
 
 
 class _Worker:
-    """A thread that builds FULL graphs (``GraphManager.build``) in order, at low
-    priority, into a queue the serving thread takes them from (``take``). It waits for a
-    running prefetch to put a graph's artifacts in the cache, and stops at the first graph
-    whose artifacts nobody is building: the serving thread then takes over."""
+    """A thread that builds FULL graphs (``GraphManager.build``) at low priority, into a
+    queue the serving thread takes them from (``take``): first the one the serving thread
+    last asked for (``note_step``), else in order. It waits for a running prefetch to put
+    a graph's artifacts in the cache, and stops at the first graph whose artifacts nobody
+    is building: the serving thread then takes over."""
 
     def __init__(self, manager: GraphManager, keys: list[BatchExecutionDescriptor],
                  prefetch: Prefetch | None) -> None:
         self._manager, self._keys, self._prefetch = manager, keys, prefetch
+        # set by the serving thread (note_step), read by the worker: plain attributes
+        self._wanted: BatchExecutionDescriptor | None = None
+        self._last_step = float("-inf")        # time.monotonic() of the last step
+        self._step_interval = 0.0              # between the last two steps
+        self._resumed = 0.0                    # when the worker last started working
         # a built graph, or (its key, why it failed its build or check)
         self._built: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()          # set once nothing more will be queued
@@ -208,6 +232,27 @@ class _Worker:
         """Whether it stopped and every graph it built was taken."""
         return self._done.is_set() and self._built.empty()
 
+    def note_step(self, wanted: BatchExecutionDescriptor | None) -> None:
+        """A step is about to run (the serving thread); ``wanted``: the pending graph the
+        last batch missed."""
+        now = time.monotonic()
+        self._step_interval = min(now - self._last_step, 10.0)
+        self._last_step = now
+        if wanted is not None:
+            self._wanted = wanted
+
+    def _serving(self) -> bool:
+        """Whether steps are running (one began within IDLE_S and two step intervals)."""
+        return time.monotonic() - self._last_step < max(IDLE_S, 2 * self._step_interval)
+
+    def _throttle(self) -> None:
+        """While steps run, rest as long as the worker just worked (at most half the
+        time: the GIL and a core stay mostly the serving thread's)."""
+        worked = time.monotonic() - self._resumed
+        if self._serving():
+            time.sleep(min(worked, 1.0))
+        self._resumed = time.monotonic()
+
     def take(self) -> ReadyGraph | tuple[BatchExecutionDescriptor, str] | None:
         try:
             return self._built.get_nowait()
@@ -216,16 +261,22 @@ class _Worker:
 
     def _run(self) -> None:
         _lower_priority()
+        keys = list(self._keys)
         try:
-            for key in self._keys:
+            while keys:
+                wanted = self._wanted
+                key = wanted if wanted in keys else keys[0]
                 while not self._manager.is_ready(key):
                     if self._prefetch is None or self._prefetch.poll() is not None:
                         return
                     time.sleep(POLL_INTERVAL_S)
+                keys.remove(key)
+                self._resumed = time.monotonic()
                 try:
-                    self._built.put(self._manager.build(key))
+                    self._built.put(self._manager.build(key, self._throttle))
                 except Exception as e:  # noqa: BLE001 - reported by the serving thread
                     self._built.put((key, f"{type(e).__name__}: {str(e).splitlines()[0]}"))
+                self._throttle()
         finally:
             self._done.set()
 

@@ -140,7 +140,8 @@ class LayeredGraph(CapturedGraph):
 def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor],
                    parts: DecoderParts, ctx: ForwardContext,
                    graph_key: dict[str, Any], symbolic: bool,
-                   off_thread: bool = False) -> LayeredGraph | None:
+                   off_thread: bool = False,
+                   pause: Callable[[], None] | None = None) -> LayeredGraph | None:
     """The FULL graph of the model's forward on ``inputs`` (ids, positions; in ``ctx``)
     from per-layer artifacts, each compiled once per kind or loaded from the disk cache.
 
@@ -152,7 +153,7 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
 
     ``off_thread``: built while the serving thread runs steps; the check then leaves the
     process's torch thread count alone (another thread's matmuls read it) and runs its
-    eager layers on this thread, after each artifact.
+    eager layers on this thread, after each artifact, then calls ``pause`` (if given).
     """
     start = time.perf_counter()
     with torch.no_grad():
@@ -167,7 +168,7 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
             overlap = backend.threads == 1 and not off_thread
             with _one_thread() if overlap else contextlib.nullcontext():
                 with _Teacher(parts, inputs[0], inputs[1], _eager_context(ctx),
-                              mismatches, overlap) as teacher:
+                              mismatches, overlap, pause) as teacher:
                     graph.outputs = graph._run(inputs[0][:0], teacher).hidden
                 _check_epilogues(graph, parts, teacher.last(), mismatches)
             ok = not mismatches
@@ -234,9 +235,10 @@ class _Teacher:
     """
 
     def __init__(self, parts: DecoderParts, ids: torch.Tensor, positions: torch.Tensor,
-                 ctx: ForwardContext, mismatches: list[str], overlap: bool = True) -> None:
+                 ctx: ForwardContext, mismatches: list[str], overlap: bool = True,
+                 pause: Callable[[], None] | None = None) -> None:
         self.parts, self.ids, self.positions, self.ctx = parts, ids, positions, ctx
-        self.mismatches, self.overlap = mismatches, overlap
+        self.mismatches, self.overlap, self.pause = mismatches, overlap, pause
         num_layers = len(parts.layers)
         self._expected: list[torch.Tensor | None] = [None] * num_layers
         self._eager_done = [threading.Event() for _ in range(num_layers)]
@@ -278,6 +280,8 @@ class _Teacher:
         if not torch.allclose(out, expected, rtol=1e-3, atol=1e-4):
             err = float((out - expected).abs().max())
             self.mismatches.append(f"layer {n}: max |difference| {err:.3g}")
+        if self.pause is not None:
+            self.pause()
         return expected
 
     def last(self) -> torch.Tensor:

@@ -175,7 +175,8 @@ class GraphManager:
         return self.compiled is None and not isinstance(self.capture_backend,
                                                         CudaGraphBackend)
 
-    def build(self, key: BatchExecutionDescriptor) -> ReadyGraph:
+    def build(self, key: BatchExecutionDescriptor,
+              pause: Callable[[], None] | None = None) -> ReadyGraph:
         """The FULL graph of ``key``: loaded (or compiled) and checked against eager on a
         scratch capture batch of its own, then bound to the serving input buffers.
 
@@ -183,7 +184,8 @@ class GraphManager:
         runner's scratch batch; weights are read-only; a capture batch is all pads (seq_len
         0, PAD_SLOT_ID slots), so its attention reads no KV entry and writes none a request
         owns; the forward context is per thread. So it runs on a worker thread while steps
-        run, and a check that fails leaves nothing live."""
+        run, and a check that fails leaves nothing live. ``pause``: called between the
+        layers of a per-layer graph's check (the builder's throttle)."""
         if key.mode != CUDAGraphMode.FULL or not self.builds_off_thread:
             raise ValueError(f"build({key.mode.name} key) with {self.capture_backend.name} "
                              "graphs: only FULL CPU graphs are built off the serving thread")
@@ -193,7 +195,7 @@ class GraphManager:
             ids, positions, ctx = self.runner.dummy_batch(key, scratch=True)
             with forward_context(ctx):
                 graph = self._full_graph(key, ctx, self._full_inputs(ids, positions, ctx),
-                                         scratch=True)
+                                         scratch=True, pause=pause)
             ids, positions, ctx = self.runner.input_views(key)
             inputs = self._full_inputs(ids, positions, ctx)
             with forward_context(ctx):
@@ -295,15 +297,17 @@ class GraphManager:
                              compile_s=compiled_s, load_s=load_s, artifact=artifact)
 
     def _full_graph(self, desc: BatchExecutionDescriptor, ctx: ForwardContext,
-                    inputs: list[torch.Tensor], scratch: bool = False) -> CapturedGraph:
+                    inputs: list[torch.Tensor], scratch: bool = False,
+                    pause: Callable[[], None] | None = None) -> CapturedGraph:
         """The FULL graph of ``desc`` on ``inputs`` (in ``ctx``, entered); ``scratch``:
-        built off the serving thread (``build``)."""
+        built off the serving thread (``build``, with its ``pause``)."""
         if isinstance(self.capture_backend, CompiledGraphBackend):
-            return self._capture_compiled(desc, ctx, inputs, scratch)
+            return self._capture_compiled(desc, ctx, inputs, scratch, pause)
         return self.capture_backend.capture(self._full_forward, inputs)
 
     def _capture_compiled(self, desc: BatchExecutionDescriptor, ctx: ForwardContext,
-                          inputs: list[torch.Tensor], scratch: bool = False) -> CapturedGraph:
+                          inputs: list[torch.Tensor], scratch: bool = False,
+                          pause: Callable[[], None] | None = None) -> CapturedGraph:
         parts = self._decoder_parts()
         if parts is None:
             return self.capture_backend.capture_model(
@@ -313,7 +317,7 @@ class GraphManager:
         for batch in dict.fromkeys((symbolic, False)):
             graph = capture_layers(self.capture_backend, inputs, parts,
                                    ctx, compile_key(desc, ctx, batch), batch,
-                                   off_thread=scratch)
+                                   off_thread=scratch, pause=pause)
             if graph is not None:
                 if built_s:            # compiled on two rows just now: this graph's cost
                     graph.compile_s = built_s + (graph.compile_s or graph.load_s or 0.0)

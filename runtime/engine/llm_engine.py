@@ -129,7 +129,7 @@ class LLMEngine:
         True while graphs are still pending."""
         if self.graph_startup is None:
             return False
-        self.graph_startup.advance()
+        self.graph_startup.advance(stepping=False)
         return not self.graph_startup.all_live
 
     def detach_graph_compile(self) -> int | None:

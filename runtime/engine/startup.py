@@ -199,10 +199,11 @@ class GraphStartup:
         prefetch = self.builder.prefetch
         return prefetch.detach() if prefetch is not None else None
 
-    def advance(self) -> None:
-        """Between two steps: at most one more graph goes live (see GraphBuilder)."""
+    def advance(self, stepping: bool = True) -> None:
+        """Between two steps (``stepping``: a step follows, else an idle engine's tick): at
+        most one more graph goes live (see GraphBuilder)."""
         if not self.all_live:
-            self.builder.advance()
+            self.builder.advance(stepping=stepping)
             if self.builder.done:
                 self.all_live = True
                 self.bar.close()
