@@ -33,7 +33,7 @@ from rung.graphs.artifact_cache import bind_inputs
 from rung.graphs.capture import CapturedGraph, ForwardOutput, memory_identity
 from rung.graphs.compiled import MIN_DYNAMIC_SIZE, CompiledGraphBackend
 from rung.graphs.direct_call import DirectCall, PlainSizes, from_handles, to_handles
-from rung.graphs.layer_artifacts import DecoderParts, layer_specs
+from rung.graphs.layer_artifacts import DecoderParts, layer_specs, layer_tensors
 from rung.kernels.attention import Attention
 
 logger = logging.getLogger(__name__)
@@ -42,10 +42,12 @@ logger = logging.getLogger(__name__)
 class _LayerCall:
     """One layer's artifact and its argument list, filled in place at each replay."""
 
-    __slots__ = ("run", "entry", "size_of", "args", "hidden_at", "rows_at", "tables", "sizes")
+    __slots__ = ("run", "entry", "size_of", "args", "hidden_at", "rows_at", "tables", "sizes",
+                 "source")
 
     def __init__(self, artifact: Callable[..., Any], direct: DirectCall | None,
                  names: list[str], named: dict, tables: list[torch.Tensor]) -> None:
+        self.source = (artifact, direct, names)      # what ``rebound`` binds again
         # NOTE: both take a copy of the argument list (the direct call empties it)
         self.run = (direct.call if direct is not None
                     else functools.partial(_call_unpacked, artifact))
@@ -60,6 +62,10 @@ class _LayerCall:
                             enumerate(self.args) if isinstance(a, torch.Tensor)
                             and memory_identity(a) in table_ids)
         self.sizes = tuple((i, src, dim) for i, (src, dim) in sizes.items())
+
+    def rebound(self, named: dict, tables: list[torch.Tensor]) -> "_LayerCall":
+        """The same artifact called on ``named``'s tensors (same names and shapes)."""
+        return _LayerCall(*self.source, named, tables)
 
 
 def _call_unpacked(artifact: Callable[..., Any], args: list) -> Any:
@@ -191,25 +197,28 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
     return None
 
 
-def rebind_layers(graph: LayeredGraph, backend: CompiledGraphBackend,
-                  inputs: Sequence[torch.Tensor], ctx: ForwardContext) -> LayeredGraph:
+def rebind_layers(graph: LayeredGraph, inputs: Sequence[torch.Tensor],
+                  ctx: ForwardContext) -> LayeredGraph:
     """``graph`` (checked on its capture batch) bound to ``inputs`` (ids, positions, ...;
-    in ``ctx``) of the same shapes: the same artifacts, the arguments of every call taken
-    from these buffers. Runs no layer, loads and compiles nothing (RuntimeError if an
-    artifact is not in this process)."""
-    if graph.bound_as is None:
-        raise RuntimeError("rebind_layers of a graph capture_layers did not check")
-    graph_key, symbolic = graph.bound_as
+    in ``ctx``) of the same shapes: the same artifacts, each layer's arguments taken from
+    these buffers (the epilogues read no input buffer: shared). Runs no layer, loads,
+    compiles and hashes nothing."""
+    parts = graph.parts
+    metas = [ctx.attn_metadata[a.layer_name].common for a in _attention_modules(parts.layers)]
+    tables = list({memory_identity(m.block_table): (m.block_table, m.block_size)
+                   for m in metas}.values())
+    if [t.shape for t, _ in tables] != [t.shape for t, _ in graph.tables]:
+        raise RuntimeError("rebinding a per-layer graph to block tables of other shapes")
+    bound = LayeredGraph(inputs, parts, metas[0].seq_lens, tables, graph.poison)
+    hidden = graph.outputs                                              # [T, H]
     with torch.no_grad():
-        specs = layer_specs(backend, graph.parts, ctx, inputs[0], inputs[1], graph_key,
-                            symbolic)
-    missing = [spec.key for spec in specs if spec.key not in backend.artifacts]
-    if missing:
-        raise RuntimeError(f"rebinding a per-layer graph: artifacts {missing[:2]} are not "
-                           "in this process (the buffers differ in shape from the capture's)")
-    bound, _ = _bind_layers(backend, inputs, graph.parts, ctx, specs)
-    bound.outputs, bound.nbytes, bound.bound_as = graph.outputs, graph.nbytes, graph.bound_as
+        for layer, call in zip(parts.layers, graph.calls):
+            named = layer_tensors(layer, ctx, hidden, inputs[1], parts.rotaries[layer.layer_type])
+            bound.calls.append(call.rebound(named, [t for t, _ in tables]))
+    bound.epilogues = graph.epilogues
+    bound.outputs, bound.nbytes = graph.outputs, graph.nbytes
     bound.compile_s, bound.load_s = graph.compile_s, graph.load_s
+    bound.artifact_key, bound.bound_as = graph.artifact_key, graph.bound_as
     return bound
 
 

@@ -200,7 +200,7 @@ class GraphManager:
             inputs = self._full_inputs(ids, positions, ctx)
             with forward_context(ctx):
                 if isinstance(graph, LayeredGraph):
-                    graph = rebind_layers(graph, self.capture_backend, inputs, ctx)
+                    graph = rebind_layers(graph, inputs, ctx)
                 elif isinstance(graph, CompiledGraph):
                     graph = self.capture_backend.rebind(graph, inputs,
                                                         self._named_tensors(inputs))
