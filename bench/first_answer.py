@@ -80,7 +80,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as cache:
         warm = (args.cache_dir or cache) if args.warm else None
-        if warm:
+        if warm and not os.listdir(warm):           # NOTE: a kept folder is filled once
             _run(args.model, {}, warm, fill=True)
         for _ in range(args.rounds):
             for name, kwargs in variants.items():
