@@ -4,13 +4,16 @@ The engine serves eagerly from its first step; before each step it calls ``advan
 which makes at most one more graph live. Going live is a state change on the serving
 thread only, and a size's batches replay its graph from the next dispatch on.
 
-FULL CPU graphs (``GraphManager.builds_off_thread``) are built by a worker thread at low
-priority: load (or compile), bind to a scratch capture batch, check against eager there,
+FULL CPU graphs (``GraphManager.builds_off_thread``) are built by a worker thread: load
+(or compile), bind to a scratch capture batch, check against eager there,
 bind to the serving buffers; ``advance`` then only swaps a ready graph into the dispatch
 table. A size that fails its check never goes live: its batches stay eager. The worker
 builds first the size the last batch ran eagerly for want of (``Dispatcher.missed``),
 else the smallest; while steps run it works at most half the time (its Python takes the
-GIL a step needs), flat out while the engine is idle. Other graphs
+GIL a step needs), flat out while the engine is idle. That duty cycle is its low priority,
+not a niceness: a niced thread on a loaded machine is descheduled while it holds the GIL,
+and the serving thread waits for it (docs/performance.md: worse worst steps, 8x longer
+switch-over). Other graphs
 (CUDA, PIECEWISE pieces, a drafter's) are captured by ``advance`` itself: a capture
 writes the runner's input buffers (a pad-only batch), so it never overlaps a step.
 
@@ -23,7 +26,6 @@ its capture batch before it goes live.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -36,7 +38,6 @@ from rung.graphs.manager import CaptureRecord, GraphManager, ReadyGraph
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.2      # how often a serving step looks for newly built artifacts
-BUILDER_NICENESS = 10      # the worker thread's: it takes the cycles serving leaves
 IDLE_S = 0.2               # no step for this long (and 2 step intervals): the engine is idle
 
 
@@ -206,11 +207,11 @@ class GraphBuilder:
 
 
 class _Worker:
-    """A thread that builds FULL graphs (``GraphManager.build``) at low priority, into a
-    queue the serving thread takes them from (``take``): first the one the serving thread
-    last asked for (``note_step``), else in order. It waits for a running prefetch to put
-    a graph's artifacts in the cache, and stops at the first graph whose artifacts nobody
-    is building: the serving thread then takes over."""
+    """A thread that builds FULL graphs (``GraphManager.build``), throttled while steps
+    run, into a queue the serving thread takes them from (``take``): first the one the
+    serving thread last asked for (``note_step``), else in order. It waits for a running
+    prefetch to put a graph's artifacts in the cache, and stops at the first graph whose
+    artifacts nobody is building: the serving thread then takes over."""
 
     def __init__(self, manager: GraphManager, keys: list[BatchExecutionDescriptor],
                  prefetch: Prefetch | None) -> None:
@@ -260,7 +261,6 @@ class _Worker:
             return None
 
     def _run(self) -> None:
-        _lower_priority()
         keys = list(self._keys)
         try:
             while keys:
@@ -279,16 +279,6 @@ class _Worker:
                 self._throttle()
         finally:
             self._done.set()
-
-
-def _lower_priority() -> None:
-    """This thread at BUILDER_NICENESS (Linux: niceness is per thread)."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid),
-                                                 BUILDER_NICENESS))
-    except (AttributeError, OSError):       # NOTE: not Linux: the thread runs as is
-        pass
 
 
 def _build_order(keys: list[BatchExecutionDescriptor]) -> list[BatchExecutionDescriptor]:
