@@ -29,6 +29,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from typing import Callable, Protocol
 
 from rung.core.descriptor import BatchExecutionDescriptor
@@ -221,12 +222,16 @@ class _Worker:
         self._last_step = float("-inf")        # time.monotonic() of the last step
         self._step_interval = 0.0              # between the last two steps
         self._resumed = 0.0                    # when the worker last started working
+        self._stop = threading.Event()
         # a built graph, or (its key, why it failed its build or check)
         self._built: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()          # set once nothing more will be queued
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="rung-graph-builder")
         self._thread.start()
+        # NOTE: stopped (at its next layer) before the interpreter exits: a daemon thread
+        # still inside torch when the process tears down aborts it
+        weakref.finalize(self, _stop_thread, self._stop, self._thread)
 
     @property
     def finished(self) -> bool:
@@ -251,7 +256,9 @@ class _Worker:
         time: the GIL and a core stay mostly the serving thread's)."""
         worked = time.monotonic() - self._resumed
         if self._serving():
-            time.sleep(min(worked, 1.0))
+            self._stop.wait(min(worked, 1.0))
+        if self._stop.is_set():
+            raise _Stopped
         self._resumed = time.monotonic()
 
     def take(self) -> ReadyGraph | tuple[BatchExecutionDescriptor, str] | None:
@@ -263,13 +270,13 @@ class _Worker:
     def _run(self) -> None:
         keys = list(self._keys)
         try:
-            while keys:
+            while keys and not self._stop.is_set():
                 wanted = self._wanted
                 key = wanted if wanted in keys else keys[0]
                 while not self._manager.is_ready(key):
-                    if self._prefetch is None or self._prefetch.poll() is not None:
+                    if self._prefetch is None or self._prefetch.poll() is not None \
+                            or self._stop.wait(POLL_INTERVAL_S):
                         return
-                    time.sleep(POLL_INTERVAL_S)
                 keys.remove(key)
                 self._resumed = time.monotonic()
                 try:
@@ -277,8 +284,21 @@ class _Worker:
                 except Exception as e:  # noqa: BLE001 - reported by the serving thread
                     self._built.put((key, f"{type(e).__name__}: {str(e).splitlines()[0]}"))
                 self._throttle()
+        except _Stopped:
+            pass
         finally:
             self._done.set()
+
+
+class _Stopped(BaseException):
+    """Ends a build at its next pause (BaseException: no check may take it for a failed
+    artifact and discard it)."""
+
+
+def _stop_thread(stop: threading.Event, thread: threading.Thread) -> None:
+    stop.set()
+    if thread is not threading.current_thread():
+        thread.join(timeout=30)
 
 
 def _build_order(keys: list[BatchExecutionDescriptor]) -> list[BatchExecutionDescriptor]:
