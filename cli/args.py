@@ -43,9 +43,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (bfloat16 on CUDA, and with --quantization where rung's CPU "
                         "kernel cannot run; else float32), float32, bfloat16, float16")
     p.add_argument("--quantization", default=None, choices=["gguf"],
-                   help="gguf: a GGUF file's Q4_0 / Q4_1 weights stay 4-bit (rung's CPU "
-                        "kernel: fp32 activations; torch's int4 kernel elsewhere: bfloat16); "
-                        "without it every weight is dequantized to --dtype")
+                   help="gguf: a GGUF file's Q4_0 / Q4_1 / Q8_0 weights stay quantized "
+                        "(rung's CPU kernel: all three, fp32 activations; torch's int4 kernel "
+                        "on CUDA or CPUs without AVX2: Q4_0 / Q4_1, bfloat16); every other "
+                        "type, and every weight without this flag, is dequantized to --dtype")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling generator")
     p.add_argument("--max-num-seqs", type=int, default=16,
@@ -60,8 +61,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="capture no graphs: every step runs eagerly (fastest start-up)")
     p.add_argument("--mode", default=None,
                    help="cudagraph mode: none, piecewise, full, full_decode_only or "
-                        "full_and_piecewise (default: full_and_piecewise; verify: 'all' "
-                        "checks the four graph modes)")
+                        "full_and_piecewise (default: full_and_piecewise, which on CPU runs "
+                        "as full_decode_only: compiled decode graphs, eager prefill, unless "
+                        "--compile-backend inductor; verify: 'all' checks the four graph "
+                        "modes)")
     p.add_argument("--capture-sizes", default=None,
                    help="comma-separated padded token counts to capture, e.g. 1,2,4,8 "
                         "(default on CPU: powers of two up to the largest batch; on CUDA: "
@@ -74,7 +77,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "go live one by one; blocking: build every graph first (default: "
                         "background for generate, blocking for warmup, verify and bench)")
     p.add_argument("--compile-backend", default="eager", choices=["eager", "inductor"],
-                   help="how the graph pieces are compiled")
+                   help="how PIECEWISE graph pieces are compiled. CPU: the full decode "
+                        "graphs are inductor-compiled either way; 'eager' pieces would run "
+                        "slower than eager, so the CPU runs none unless this is inductor")
     p.add_argument("--attention-backend", default="auto",
                    help="auto, torch, triton or flash_attn")
     p.add_argument("--speculative-method", default="none", choices=_SPEC_METHODS, type=str.lower,

@@ -47,6 +47,7 @@ def _prompts(args: argparse.Namespace) -> list[str | dict]:
 def _check_prompts(args: argparse.Namespace, prompts: list[str | dict]) -> None:
     """Tokenizer, length and vocabulary checks before the model is built and captured."""
     from rung.models.loader import peek_model
+    from rung.runtime.sampling_params import context_overflow
 
     if args.max_model_len is not None and args.max_model_len < 1:
         raise ValueError(f"--max-model-len {args.max_model_len} must be a positive integer "
@@ -68,6 +69,9 @@ def _check_prompts(args: argparse.Namespace, prompts: list[str | dict]) -> None:
         if len(ids) > max_len:
             raise ValueError(f"prompt {i} has {len(ids)} tokens, longer than max_model_len="
                              f"{max_len}")
+        overflow = context_overflow(len(ids), args.max_tokens, max_len)
+        if overflow is not None:    # NOTE: as the server's 400; LLM.generate would stop there
+            raise ValueError(f"prompt {i}: {overflow}")
         bad = [t for t in ids if not 0 <= t < cfg["vocab_size"]]
         if bad:
             raise ValueError(f"prompt {i}: token id {bad[0]} is out of the vocabulary "
@@ -116,6 +120,16 @@ def _unbuilt_graphs_note(llm: Any, args: argparse.Namespace) -> str:
     return f"`rung warmup --model {args.model}` builds them all before a run"
 
 
+def _print_partial_outputs(llm: Any) -> None:
+    """Ctrl-C: the text every unfinished request had so far, before the command exits."""
+    tokenizer = llm.get_tokenizer()
+    for req in list(llm.engine.requests.values()):
+        ids = req.output_token_ids
+        shown = repr(req.prompt) if req.prompt is not None else req.prompt_token_ids
+        text = tokenizer.decode(ids) if tokenizer is not None else ids
+        print(f"--- {shown} -> (interrupted after {len(ids)} tokens)\n{text}", flush=True)
+
+
 def generate_report(rank: int | None, args: argparse.Namespace) -> str:
     """What `rung generate` prints. Under data parallel (``rank``: spawned rank, or None
     under torchrun) rank 0 prints the outputs and every rank its padding line."""
@@ -123,14 +137,18 @@ def generate_report(rank: int | None, args: argparse.Namespace) -> str:
     llm = build_llm(args)
     start = time.perf_counter()
     prompts = _prompts(args)
-    if args.chat:   # each text prompt is one user message of its own conversation
-        if any(not isinstance(p, str) for p in prompts):
-            raise ValueError("--chat takes text prompts, not --prompt-token-ids")
-        template = _read_chat_template(args.chat_template)
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
-                           chat_template=template)
-    else:
-        outputs = llm.generate(prompts, params)
+    try:
+        if args.chat:   # each text prompt is one user message of its own conversation
+            if any(not isinstance(p, str) for p in prompts):
+                raise ValueError("--chat takes text prompts, not --prompt-token-ids")
+            template = _read_chat_template(args.chat_template)
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                               chat_template=template)
+        else:
+            outputs = llm.generate(prompts, params)
+    except KeyboardInterrupt:
+        _print_partial_outputs(llm)
+        raise
     elapsed = time.perf_counter() - start
     stats = llm.engine.stats()
     graphs = stats["graphs"]

@@ -11,6 +11,7 @@ Ctrl-C during start-up never wait for (or trace back through) torch.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Any, Callable
@@ -127,10 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get("RUNG_DEBUG", "0") == "1"
     try:
         args = make_parser().parse_args(argv)
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
         from rung.runtime.log import configure_logging
 
         configure_logging()
-        return args.func(args)
+        # NOTE: log lines go through tqdm.write, so they never land in a progress bar's line
+        with logging_redirect_tqdm([logging.getLogger("rung")]):
+            return args.func(args)
     except KeyboardInterrupt:
         if debug:
             raise

@@ -29,10 +29,55 @@ def add_serve(sub: Any) -> None:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM before "
                             "they are cut (finish_reason 'abort')")
+    _add_limit_args(serve)
     serve.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level (access lines at info)")
     serve.set_defaults(func=cmd_serve)
+
+
+def _add_limit_args(serve: argparse.ArgumentParser) -> None:
+    """Operator limits (rung.server.limits): a request over one is a 400 naming it."""
+    d = _limit_defaults()
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="allow a request's own chat_template (rendered in a sandbox "
+                            "under --chat-template-timeout); refused otherwise")
+    serve.add_argument("--chat-template-timeout", type=float,
+                       default=d.chat_template_timeout_s,
+                       help="seconds a request's chat template may take to render")
+    serve.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                       help="most logprobs / top_logprobs / prompt_logprobs per token")
+    serve.add_argument("--max-n", type=int, default=d.max_n, help="most choices (n) per request")
+    serve.add_argument("--max-prompts-per-request", type=int,
+                       default=d.max_prompts_per_request,
+                       help="most prompts in one /v1/completions request")
+    serve.add_argument("--max-stop", type=int, default=d.max_stop,
+                       help="most stop strings per request")
+    serve.add_argument("--max-stop-str-len", type=int, default=d.max_stop_str_len,
+                       help="most characters in one stop string")
+    serve.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
+                       help="most stop_token_ids per request")
+    serve.add_argument("--max-messages", type=int, default=d.max_messages,
+                       help="most chat messages per request")
+    serve.add_argument("--max-request-body-bytes", type=int,
+                       default=d.max_request_body_bytes,
+                       help="largest request body, checked before it is parsed")
+    serve.add_argument("--request-body-timeout", type=float,
+                       default=d.request_body_timeout_s,
+                       help="seconds a request body may take to arrive")
+    serve.add_argument("--request-header-timeout", type=float,
+                       default=d.request_header_timeout_s,
+                       help="seconds a connection may take to send a request's head")
+    serve.add_argument("--limit-concurrency", type=int, default=512,
+                       help="most open connections and tasks (uvicorn's); more get 503")
+    serve.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                       help="seconds an idle keep-alive connection stays open (uvicorn's)")
+
+
+def _limit_defaults():
+    from rung.server.limits import ServerLimits
+
+    return ServerLimits()
 
 
 def add_bench_serve(bench_sub: Any) -> None:
@@ -84,9 +129,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(model_name=args.served_model_name or args.model,
                           api_key=args.api_key or None, max_queue=args.max_queue,
-                          chat_template=template, shutdown_timeout_s=args.shutdown_timeout)
+                          chat_template=template, shutdown_timeout_s=args.shutdown_timeout,
+                          limits=_limits(args))
     llm = build_llm(args)
-    return run_server(llm.engine, config, args.host, args.port, args.uvicorn_log_level)
+    return run_server(llm.engine, config, args.host, args.port, args.uvicorn_log_level,
+                      limit_concurrency=args.limit_concurrency,
+                      timeout_keep_alive=args.timeout_keep_alive)
+
+
+def _limits(args: argparse.Namespace):
+    from rung.server.limits import ServerLimits
+
+    values = dict(max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
+                  max_prompts_per_request=args.max_prompts_per_request,
+                  max_logprobs=args.max_logprobs, max_stop=args.max_stop,
+                  max_stop_str_len=args.max_stop_str_len,
+                  max_stop_token_ids=args.max_stop_token_ids, max_messages=args.max_messages)
+    for name, value in values.items():
+        if value < 0:
+            raise ValueError(f"--{name.replace('_', '-')} {value} must be >= 0")
+    for flag, value in (("--chat-template-timeout", args.chat_template_timeout),
+                        ("--request-body-timeout", args.request_body_timeout),
+                        ("--request-header-timeout", args.request_header_timeout),
+                        ("--timeout-keep-alive", args.timeout_keep_alive)):
+        if value <= 0:
+            raise ValueError(f"{flag} {value} must be > 0")
+    if args.limit_concurrency < 1:
+        raise ValueError(f"--limit-concurrency {args.limit_concurrency} must be >= 1")
+    return ServerLimits(**values, trust_request_chat_template=args.trust_request_chat_template,
+                        chat_template_timeout_s=args.chat_template_timeout,
+                        request_body_timeout_s=args.request_body_timeout,
+                        request_header_timeout_s=args.request_header_timeout)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

@@ -26,6 +26,8 @@ class AttentionLayerSpec:
     sliding_window: int | None = None
     logit_softcap: float | None = None
     writes_kv: bool = True          # False for layers reading another layer's KV (MTP drafters)
+    # every query over the same padded key count on one path (kernels/batch_invariant.py)
+    batch_invariant: bool = False
 
 
 class AttentionMetadataBuilder:

@@ -98,6 +98,10 @@ def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor,
     return out.reshape(num_tokens_padded, num_heads, head_dim)
 
 
+# batch-invariant attention reads keys in multiples of this many (masked past the sequence)
+INVARIANT_KEY_TILE = 256
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: CommonAttentionMetadata,
                     layer: AttentionLayerSpec) -> torch.Tensor:
     """The reference's result, faster in eager: K and V gathered once (one index_select),
@@ -107,6 +111,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: CommonAtt
     """
     if layer.logit_softcap:
         return paged_attention_ref(query, kv_cache, meta, layer)
+    if layer.batch_invariant:
+        return _paged_attention_per_token(query, kv_cache, meta, layer)
     num_tokens_padded = query.shape[0]
     num_rows = meta.block_table.shape[0]
     # NOTE: per token, a prefill of T tokens would gather T copies of its K/V (O(T^2)
@@ -118,11 +124,14 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: CommonAtt
 
 
 def _gather_kv(kv_cache: torch.Tensor, meta: CommonAttentionMetadata,
-               rows: torch.Tensor | None) -> torch.Tensor:
+               rows: torch.Tensor | None, invariant: bool = False) -> torch.Tensor:
     """K/V of the blocks ``meta.max_seq_len`` covers, for every block-table row (``rows``
     None) or for each entry of ``rows`` [N] -> [2, N, L, kvh, hd] fp32, one index_select."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_blocks_read = _num_blocks_read(meta, block_size)
+    if invariant:   # NOTE: a key count the batch cannot change, for SDPA's reductions
+        tile = max(INVARIANT_KEY_TILE // block_size, 1)
+        num_blocks_read = min(-(-num_blocks_read // tile) * tile, meta.block_table.shape[1])
     blocks = meta.block_table[:, :num_blocks_read].long()               # [R, nb]
     if rows is not None:
         blocks = blocks[rows]                                            # [N, nb]
@@ -137,7 +146,7 @@ def _paged_attention_per_token(query: torch.Tensor, kv_cache: torch.Tensor,
     num_tokens_padded, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     req, pos, kv_len = token_positions(meta, num_tokens_padded)
-    kv = _gather_kv(kv_cache, meta, req)                                 # [2, T, L, kvh, hd]
+    kv = _gather_kv(kv_cache, meta, req, layer.batch_invariant)        # [2, T, L, kvh, hd]
     visible = visible_keys(kv_len, pos, kv.shape[2], layer)            # [T, L]
     q = query.float().view(num_tokens_padded, num_kv_heads, -1, head_dim)  # [T, kvh, g, hd]
     # NOTE: the g query heads of one KV head are SDPA's query positions, so K/V are read

@@ -18,15 +18,12 @@ import numpy as np
 import torch
 
 from rung.kernels.gguf_cpu import GGUFBlockWeight
+from rung.models.registry import GGUF_ARCHITECTURES, model_class
 
 logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 
-# GGUF architecture -> HF model_type; llama.cpp permutes q/k rows of these for its rope.
-_ARCH_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3",
-                    "gemma4": "gemma4_text"}
-_PERMUTED_QK_ARCHS = ("llama", "mistral")
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _LAYER_TENSORS = {
@@ -45,7 +42,7 @@ _FALLBACK_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 SUPPORTED_TYPES = _FALLBACK_TYPES + ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
-_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
+_TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
 
 
 def is_gguf(path: str) -> bool:
@@ -94,9 +91,11 @@ class GGUFModel:
         self.path = path
         self.reader = open_reader(path)
         self.arch = self._str("general.architecture")
-        if self.arch not in _ARCH_MODEL_TYPE:
+        if self.arch not in GGUF_ARCHITECTURES:
             raise ValueError(f"GGUF file {path!r} has architecture {self.arch!r}; rung "
-                             f"loads GGUF architectures {', '.join(sorted(_ARCH_MODEL_TYPE))}")
+                             f"loads GGUF architectures {', '.join(sorted(GGUF_ARCHITECTURES))}")
+        # the model class declares what its GGUF differs in (see models/llama.py)
+        self.family = model_class({"model_type": GGUF_ARCHITECTURES[self.arch]})
         self._check_tensor_types()
         self.config = self._config()
 
@@ -131,6 +130,8 @@ class GGUFModel:
             from rung.models import gguf_gemma4
 
             return gguf_gemma4.text_config(self)
+        if hasattr(self.family, "gguf_config"):
+            return self.family.gguf_config(self)
         hidden = self.required("embedding_length")
         num_heads = self.required("attention.head_count")
         names = {t.name for t in self.reader.tensors}
@@ -138,15 +139,19 @@ class GGUFModel:
             raise ValueError(f"GGUF file {self.path!r} carries rope_freqs (Llama 3 rope "
                              "scaling), which rung's GGUF loader does not map yet")
         tokens = self.field("tokenizer.ggml.tokens")
+        head_dim = int(self.arch_field("attention.key_length", hidden // num_heads))
+        rotary_dim = int(self.arch_field("rope.dimension_count", head_dim))
         return {
-            "model_type": _ARCH_MODEL_TYPE[self.arch],
+            "model_type": GGUF_ARCHITECTURES[self.arch],
             "vocab_size": int(self.arch_field("vocab_size", len(tokens or ()))),
             "hidden_size": int(hidden),
             "intermediate_size": int(self.required("feed_forward_length")),
             "num_hidden_layers": int(self.required("block_count")),
             "num_attention_heads": int(num_heads),
             "num_key_value_heads": int(self.arch_field("attention.head_count_kv", num_heads)),
-            "head_dim": int(self.arch_field("attention.key_length", hidden // num_heads)),
+            "head_dim": head_dim,
+            "partial_rotary_factor": rotary_dim / head_dim,
+            "sliding_window": self.arch_field("attention.sliding_window"),
             "rms_norm_eps": float(self.required("attention.layer_norm_rms_epsilon")),
             "rope_theta": float(self.arch_field("rope.freq_base", 10000.0)),
             "max_position_embeddings": int(self.arch_field("context_length", 2048)),
@@ -200,7 +205,7 @@ class GGUFModel:
             name = self._hf_name(t.name)
             shape = _numpy_shape(t)
             data = t.data
-            if self.arch in _PERMUTED_QK_ARCHS:
+            if getattr(self.family, "gguf_permuted_qk", False):
                 data = self._unpermute_qk(name, data)
             if name == "model.embed_tokens.weight" and "lm_head.weight" in block_names \
                     and self.config.get("tie_word_embeddings"):
@@ -210,6 +215,9 @@ class GGUFModel:
                 continue
             array = np.ascontiguousarray(dequantize(data, t.tensor_type.name, shape),
                                          dtype=np.float32)
+            offset = getattr(self.family, "gguf_norm_offset", 0.0)
+            if offset and name.endswith("norm.weight"):
+                array = array - np.float32(offset)
             yield name, torch.from_numpy(array if array.flags.writeable else array.copy())
 
     def _hf_name(self, name: str) -> str:
@@ -221,8 +229,9 @@ class GGUFModel:
         if stem in _GLOBAL_TENSORS:
             return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
         match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-        if match and match.group(2) in _LAYER_TENSORS:
-            return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}.{suffix}"
+        layer_tensors = {**_LAYER_TENSORS, **getattr(self.family, "gguf_layer_tensors", {})}
+        if match and match.group(2) in layer_tensors:
+            return f"model.layers.{match.group(1)}.{layer_tensors[match.group(2)]}.{suffix}"
         raise ValueError(f"GGUF tensor {name!r} has no counterpart in rung's "
                          f"{self.config['model_type']} model")
 
@@ -255,9 +264,13 @@ class GGUFModel:
                                   self.field("tokenizer.ggml.pre", "default"))
         elif model == "gemma4":
             tok = _sentencepiece_bpe(tokens, merges or [], token_types)
+        elif model == "llama" and self.arch == "gemma3":
+            tok = _sentencepiece_bpe(*_spm_vocab_merges(tokens, token_types),
+                                     split_newlines=False)
         else:
             raise ValueError(f"GGUF file {self.path!r} has tokenizer model {model!r}; rung "
-                             "builds BPE tokenizers (tokenizer.ggml.model 'gpt2' or 'gemma4')")
+                             "builds BPE tokenizers (tokenizer.ggml.model 'gpt2' or 'gemma4', "
+                             "or 'llama' in a gemma3 file)")
         return HFTokenizer(tok, eos_token_id=self.config["eos_token_id"],
                            bos_token_id=self.config["bos_token_id"],
                            add_bos_token=bool(self.field("tokenizer.ggml.add_bos_token", False)),
@@ -381,10 +394,37 @@ def _add_special_tokens(tok, tokens: list[str], token_types: list[int] | None) -
                     for i, t in enumerate(types) if t == _TOKEN_USER_DEFINED])
 
 
-def _sentencepiece_bpe(tokens: list[str], merges: list[str], token_types: list[int] | None):
-    """A `tokenizers.Tokenizer` for llama.cpp's "gemma4" vocabulary: BPE over raw UTF-8
-    with spaces written as U+2581, newline runs split off (llama.cpp's gemma4 pre-tokenizer),
-    bytes outside the vocabulary as ``<0xNN>`` tokens."""
+def _spm_vocab_merges(tokens: list[str], token_types: list[int] | None
+                      ) -> tuple[list[str], list[str], list[int]]:
+    """(tokens, merges, token types) of a SentencePiece BPE vocabulary stored without
+    merges (llama.cpp's "llama" tokenizer model in a gemma3 file).
+
+    SentencePiece BPE joins, at each step, the adjacent pair whose joined piece ranks best;
+    Gemma's rank is the piece's place in the vocabulary (its scores do not follow it). So
+    every split of a normal piece into two vocabulary pieces is a merge, ranked by the
+    joined piece's id. Runs of spaces are stored as user-defined pieces spelled with real
+    spaces; the normalizer writes spaces as U+2581, so they are respelled to match and
+    merged like normal pieces.
+    """
+    types = list(token_types or [_TOKEN_NORMAL] * len(tokens))
+    tokens = list(tokens)
+    for i, token in enumerate(tokens):
+        if token and not token.strip(" "):
+            tokens[i], types[i] = _SPACE * len(token), _TOKEN_NORMAL
+    ids = {t: i for i, t in enumerate(tokens) if types[i] == _TOKEN_NORMAL}
+    merges = []
+    for token in sorted(ids, key=ids.__getitem__):
+        splits = [(ids[token[:k]], ids[token[k:]], token[:k], token[k:])
+                  for k in range(1, len(token)) if token[:k] in ids and token[k:] in ids]
+        merges += [f"{left} {right}" for _, _, left, right in sorted(splits)]
+    return tokens, merges, types
+
+
+def _sentencepiece_bpe(tokens: list[str], merges: list[str], token_types: list[int] | None,
+                       split_newlines: bool = True):
+    """A `tokenizers.Tokenizer` for a SentencePiece BPE vocabulary: BPE over raw UTF-8
+    with spaces written as U+2581, bytes outside the vocabulary as ``<0xNN>`` tokens, and
+    with ``split_newlines`` newline runs split off (llama.cpp's gemma4 pre-tokenizer)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     vocab = {token: i for i, token in enumerate(tokens)}
@@ -392,7 +432,8 @@ def _sentencepiece_bpe(tokens: list[str], merges: list[str], token_types: list[i
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, byte_fallback=True, fuse_unk=False,
                                unk_token="<unk>" if "<unk>" in vocab else None))
     tok.normalizer = normalizers.Replace(" ", _SPACE)
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
+    if split_newlines:
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
     tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(),
                                      decoders.Fuse()])
     _add_special_tokens(tok, tokens, token_types)

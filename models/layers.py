@@ -9,6 +9,7 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
+from rung.kernels.batch_invariant import is_batch_invariant
 from rung.kernels.gguf_cpu import (
     GGUFBlockWeight,
     gguf_gemm,
@@ -26,7 +27,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, weight_offset: float = 0.0,
                  cast_before_scale: bool = True) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - weight_offset))   # identity
         self.eps = eps
         self.weight_offset = weight_offset
         self.cast_before_scale = cast_before_scale
@@ -74,6 +75,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, sum(shard_sizes)
         self.shard_sizes = shard_sizes
         self._pending: dict[int, GGUFBlockWeight] = {}
+        self._whole = False                             # one tensor held every shard
         self.type_name = ""                             # "Q4_0" / "Q4_1" / "Q8_0" once packed
         self.kernel = ""                                # "rung" or "torch_int4" once packed
         # rung's kernel: the file's blocks, per row; torch's: (packed, scales_and_zeros)
@@ -89,6 +91,11 @@ class QuantLinear(nn.Module):
         return cls(linear.in_features, list(sizes))
 
     def load_quantized(self, weight: GGUFBlockWeight, shard: int | None) -> None:
+        if shard is None and weight.shape == (self.out_features, self.in_features):
+            # every shard in one checkpoint tensor (Phi-3's qkv and gate_up in a GGUF)
+            self._pending = {i: weight for i in range(len(self.shard_sizes))}
+            self._whole = True
+            return
         index = 0 if shard is None else shard
         want = (self.shard_sizes[index], self.in_features)
         if weight.shape != want:
@@ -101,7 +108,8 @@ class QuantLinear(nn.Module):
         missing = sorted(set(range(len(self.shard_sizes))) - set(self._pending))
         if missing:
             raise ValueError(f"quantized layer lacks checkpoint shards {missing}")
-        weight = stack_rows([self._pending[i] for i in range(len(self.shard_sizes))])
+        weight = self._pending[0] if self._whole else \
+            stack_rows([self._pending[i] for i in range(len(self.shard_sizes))])
         self._pending.clear()
         self.type_name = weight.type_name
         self.kernel = kernel or quant_kernel(torch.device(device))
@@ -215,7 +223,7 @@ def lm_head_logits(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [num_rows, hidden] -> logits [num_rows, vocab] fp32 through ``head``: its
     W^T copy (``weight_t``, see ``pretranspose_linear_weights``) for a few rows, else on
     CPU a row-major weight as the tall GEMM W @ hidden^T (the table above)."""
-    if isinstance(head, QuantLinear):
+    if isinstance(head, QuantLinear) or is_batch_invariant(head):
         return head(hidden).float()
     weight_t = getattr(head, "weight_t", None)
     if weight_t is not None and weight_t.dtype != hidden.dtype:
@@ -240,15 +248,17 @@ def lm_head_row_splits(head: nn.Module, dtype: torch.dtype) -> tuple[int, ...]:
 
 
 def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
-    """inv_freq [rotary_dim // 2] fp32, HF's default and llama3 rope types."""
+    """inv_freq [rotary_dim // 2] fp32, HF's default, linear and llama3 rope types."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float()
                                / rotary_dim))
     rope_type = (rope_scaling or {}).get("rope_type", "default")
     if rope_type == "default":
         return inv_freq
+    if rope_type == "linear":                     # positions divided by the factor
+        return inv_freq / float(rope_scaling["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope_scaling)
-    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
 
 
 def proportional_inv_freq(head_dim: int, base: float, partial_rotary_factor: float,

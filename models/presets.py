@@ -16,6 +16,17 @@ PRESETS: dict[str, dict] = {
                    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                    "tie_word_embeddings": True},
+    # Qwen2 / Qwen2.5: biases on q/k/v
+    "tiny-qwen2": {**_LLAMA_BASE, "model_type": "qwen2", "vocab_size": 512,
+                   "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "tie_word_embeddings": True},
+    # Phi-3: fused qkv / gate_up checkpoint tensors, half the head rotated, every layer
+    # sliding over 32 tokens
+    "tiny-phi3": {**_LLAMA_BASE, "model_type": "phi3", "vocab_size": 512, "hidden_size": 64,
+                  "intermediate_size": 128, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "partial_rotary_factor": 0.5, "sliding_window": 32},
     # NOTE: 4096 positions, so a bench can show attention cost following the real context
     "bench-llama": {**_LLAMA_BASE, "max_position_embeddings": 4096, "vocab_size": 8192,
                     "hidden_size": 512,
@@ -27,6 +38,15 @@ PRESETS: dict[str, dict] = {
                         "intermediate_size": 1536, "num_hidden_layers": 30,
                         "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
                         "tie_word_embeddings": True},
+    # Gemma 3: 5 sliding layers (window 16, shorter than the test prompts), then 1 full;
+    # local / global rope bases 10k / 1M (HF's defaults)
+    "tiny-gemma3": {"model_type": "gemma3_text", "vocab_size": 512, "hidden_size": 128,
+                    "intermediate_size": 256, "num_hidden_layers": 6,
+                    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
+                    "query_pre_attn_scalar": 32, "sliding_window": 16,
+                    "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+                    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+                    "pad_token_id": 0},
     # Gemma 4 (dense, text): 5 sliding layers (window 16, head_dim 32), then 1 full layer
     # (head_dim 64); other fields take HF's Gemma4TextConfig defaults. Norm weights stay 1:
     # Gemma 4 scales by the weight itself (no 1 + w), so 1 is the identity.

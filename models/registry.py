@@ -10,10 +10,18 @@ from torch import nn
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("rung.models.llama", "LlamaForCausalLM"),
     "mistral": ("rung.models.llama", "LlamaForCausalLM"),
-    "qwen3": ("rung.models.llama", "Qwen3ForCausalLM"),
+    "qwen2": ("rung.models.qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("rung.models.qwen3", "Qwen3ForCausalLM"),
+    "phi3": ("rung.models.phi3", "Phi3ForCausalLM"),
+    "gemma3_text": ("rung.models.gemma3", "Gemma3ForCausalLM"),
     "gemma4_text": ("rung.models.gemma4", "Gemma4ForCausalLM"),
     "gemma4": ("rung.models.gemma4", "Gemma4ForCausalLM"),
     "gemma4_assistant": ("rung.models.gemma4_mtp", "Gemma4AssistantModel"),
+}
+# llama.cpp's GGUF architecture -> HF model_type (the model class declares the rest)
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+    "gemma3": "gemma3_text", "gemma4": "gemma4_text",
 }
 
 
@@ -60,6 +68,10 @@ def model_class(cfg: dict) -> type[nn.Module]:
     return getattr(importlib.import_module(module), name)
 
 
-def register_model(model_type: str, module: str, class_name: str) -> None:
-    """Map an HF ``model_type`` to a rung model class (``module``.``class_name``)."""
+def register_model(model_type: str, module: str, class_name: str,
+                   gguf_arch: str | None = None) -> None:
+    """Map an HF ``model_type`` (and llama.cpp's ``gguf_arch``, if any) to a rung model
+    class (``module``.``class_name``)."""
     _ARCHITECTURES[model_type] = (module, class_name)
+    if gguf_arch is not None:
+        GGUF_ARCHITECTURES[gguf_arch] = model_type

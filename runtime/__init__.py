@@ -10,11 +10,15 @@ _EXPORTS = {
     "LLMEngine": "rung.runtime.engine.llm_engine",
     "SamplingParams": "rung.runtime.sampling_params",
     "RequestOutputKind": "rung.runtime.sampling_params",
+    # why max_tokens cannot follow a prompt within max_model_len (server and CLI refuse)
+    "context_overflow": "rung.runtime.sampling_params",
     "RequestOutput": "rung.runtime.outputs",
     "CompletionOutput": "rung.runtime.outputs",
     "Logprob": "rung.runtime.outputs",
     # conversation -> {"prompt", "prompt_token_ids"} with a model's chat template
     "apply_chat_template": "rung.models.chat_template",
+    # one conversation -> its prompt text (no tokenizer needed)
+    "render_chat": "rung.models.chat_template",
 }
 
 __all__ = list(_EXPORTS)

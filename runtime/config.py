@@ -50,6 +50,35 @@ def parse_dtype(dtype: str | torch.dtype, device: torch.device,
     return _DTYPES[dtype]
 
 
+# NOTE: a CPU step's cost grows with its batch and every ladder size is a compile (or a
+# forward) at start-up: a CPU engine batches what a CPU serves, a GPU engine what vLLM does.
+DEFAULT_MAX_NUM_SEQS = {"cpu": 16, "cuda": 256}
+# the KV cache on CPU: what max_num_seqs sequences of max_model_len need, at most this many
+# GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); gpu_memory_utilization sizes it on CUDA only
+CPU_KVCACHE_SPACE_ENV = "RUNG_CPU_KVCACHE_SPACE"
+DEFAULT_CPU_KVCACHE_SPACE_GIB = 4.0
+
+
+def default_max_num_seqs(device: torch.device) -> int:
+    return DEFAULT_MAX_NUM_SEQS["cuda" if device.type == "cuda" else "cpu"]
+
+
+def cpu_kvcache_space_bytes() -> int:
+    """The most bytes the CPU KV cache may take: $RUNG_CPU_KVCACHE_SPACE GiB, default 4 GiB
+    but never more than a quarter of the machine's RAM."""
+    raw = os.environ.get(CPU_KVCACHE_SPACE_ENV)
+    if raw is None:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return min(int(DEFAULT_CPU_KVCACHE_SPACE_GIB * 2**30), ram // 4)
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = float("nan")
+    if not gib > 0:
+        raise ValueError(f"{CPU_KVCACHE_SPACE_ENV}={raw!r} must be a positive number of GiB")
+    return int(gib * 2**30)
+
+
 GRAPH_STARTUPS = ("auto", "background", "blocking")
 
 
@@ -165,8 +194,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     num_gpu_blocks_override: int | None = None
-    # share of free device memory (CUDA) or of RAM (CPU) for the KV cache; None -> half
-    # the free device memory, 2 GiB on CPU
+    # share of free device memory for the KV cache on CUDA (None -> half); ignored on CPU,
+    # where the cache follows max_num_seqs x max_model_len up to $RUNG_CPU_KVCACHE_SPACE
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
     compilation: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
@@ -177,6 +206,10 @@ class EngineConfig:
     data_parallel_size: int = 1
     data_parallel_timeout_s: float = 120.0    # a collective waiting longer fails the rank
     enable_prefix_caching: bool = True
+    # every linear layer computes each row with a GEMM of one shape, so a request's logits
+    # (its greedy and seeded tokens) do not depend on its batch; default $RUNG_BATCH_INVARIANT
+    batch_invariant: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("RUNG_BATCH_INVARIANT", "0") == "1")
     debug_padding: bool = dataclasses.field(
         default_factory=lambda: os.environ.get("RUNG_DEBUG_PADDING", "0") == "1")
 
@@ -201,6 +234,12 @@ class EngineConfig:
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
                                   or not 0 < share <= 1):
             raise ValueError(f"gpu_memory_utilization={share!r} must be a number in (0, 1]")
+        if share is not None and self.device.type == "cpu":
+            logger.warning("gpu_memory_utilization=%s is ignored on CPU (as in vLLM): the KV "
+                           "cache takes what max_num_seqs x max_model_len needs, at most "
+                           "$%s GiB (%.1f GiB now)", share, CPU_KVCACHE_SPACE_ENV,
+                           cpu_kvcache_space_bytes() / 2**30)
+            self.gpu_memory_utilization = None
         if not _is_int(self.seed):
             raise ValueError(f"seed={self.seed!r} must be an integer")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -45,6 +45,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None   # top-N logprobs per prompt token (plus the actual one)
     skip_special_tokens: bool = True            # special tokens (EOS, BOS) left out of text
     spaces_between_special_tokens: bool = True  # kept special tokens set apart by a space
+    # vLLM names that vLLM itself dropped: refused unless left at their no-op values
+    best_of: int | None = None      # None or n only (vLLM V1 removed best_of)
+    use_beam_search: bool = False   # False only (vLLM moved beam search to LLM.beam_search)
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -59,6 +62,14 @@ class SamplingParams:
         return copy.deepcopy(self)
 
     def _check(self) -> None:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of!r} is unsupported: vLLM's V1 engine "
+                             "dropped best_of from SamplingParams; ask for n samples (with "
+                             "logprobs) and pick by cumulative logprob")
+        if self.use_beam_search is not False:
+            raise ValueError(f"use_beam_search={self.use_beam_search!r} is unsupported: vLLM "
+                             "removed it from SamplingParams (beam search is its own "
+                             "LLM.beam_search there), and rung has no beam search")
         for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "min_p"):
             value = getattr(self, name)
@@ -105,6 +116,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+def context_overflow(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int
+                     ) -> str | None:
+    """Why ``max_tokens`` more tokens cannot follow a prompt within ``max_model_len`` (the
+    message the server's 400 and `rung generate` give), or None when they fit. The offline
+    `LLM` stops such a request at the context instead, as vLLM's does."""
+    if max_tokens is None or num_prompt_tokens + max_tokens <= max_model_len:
+        return None
+    return (f"max_tokens={max_tokens} plus the {num_prompt_tokens} prompt tokens is more than "
+            f"max_model_len={max_model_len}")
 
 
 def _is_int(value: object) -> bool:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,27 +21,30 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rung.runtime import LLMEngine, SamplingParams, apply_chat_template
+from rung.runtime import LLMEngine, SamplingParams
 from rung.server.engine_loop import (
     EngineLoop,
     QueueFull,
     RequestStream,
 )
+from rung.server.limits import ServerLimits, read_body
 from rung.server.metrics import ServerMetrics
+from rung.server.prepare import Preparer
 from rung.server.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
-    chat_messages,
-    completion_prompts,
+    ErrorResponse,
     error_body,
     now,
     param_of,
-    sampling_params,
 )
 from rung.server.streaming import (
+    Choice,
     HTTPError,
     Tracker,
     chat_events,
@@ -60,47 +65,22 @@ class ServerConfig:
     max_queue: int | None = None           # sequences waiting beyond max_num_seqs; None: any
     chat_template: str | None = None       # overrides the model's
     shutdown_timeout_s: float = 30.0       # SIGTERM: running requests get this long
+    limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
 
 
 class _Server:
-    """What the routes share: the engine owner, the config, the metrics."""
+    """What the routes share: the engine owner, the request preparer, the config, the
+    metrics."""
 
     def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
         self.engine_loop = EngineLoop(engine, config.max_queue)
-        self.tokenizer = engine.tokenizer
+        self.preparer = Preparer(engine, config.model_name, config.chat_template,
+                                 config.limits)
         self.max_model_len = engine.max_model_len
         self.model_path = engine.config.model
         self.config = config
         self.metrics = ServerMetrics(config.model_name)
         self.draining = False
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.model_name:
-            raise HTTPError(404, f"The model `{model}` does not exist; this server serves "
-                            f"`{self.config.model_name}`", "model")
-
-    def tokenize(self, prompt: str | dict, field: str) -> dict:
-        """``{"prompt", "prompt_token_ids"}``, so usage and the length check are known
-        before the engine sees the request (it tokenizes text the same way)."""
-        if isinstance(prompt, dict):
-            return prompt
-        if not prompt:
-            raise BadRequest(f"{field} is empty: it must hold at least 1 token", field)
-        if self.tokenizer is None:
-            raise BadRequest(f"model {self.model_path!r} has no tokenizer: send token ids",
-                             field)
-        return {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
-
-    def check_length(self, prompts: list[dict], params: SamplingParams, field: str) -> None:
-        for p in prompts:
-            num = len(p["prompt_token_ids"])
-            if num > self.max_model_len:
-                raise BadRequest(f"{field} has {num} tokens, longer than max_model_len="
-                                 f"{self.max_model_len}", field)
-            if params.max_tokens is not None and num + params.max_tokens > self.max_model_len:
-                raise BadRequest(f"max_tokens={params.max_tokens} plus the {num} prompt "
-                                 f"tokens is more than max_model_len={self.max_model_len}",
-                                 "max_tokens")
 
     async def submit(self, prompts: list[dict], params: SamplingParams, prefix: str
                      ) -> RequestStream:
@@ -123,6 +103,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         server.engine_loop.start()
         yield
         server.engine_loop.stop()
+        server.preparer.shutdown()
 
     app = FastAPI(title="rung", lifespan=lifespan)
     app.state.server = server
@@ -138,6 +119,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         return _error(HTTPError(400, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}",
                                 field))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def not_found(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(HTTPError(exc.status_code, str(exc.detail)), exc.headers)
+
     @app.exception_handler(HTTPError)
     async def http_error(request: Request, exc: HTTPError) -> JSONResponse:
         return _error(exc)
@@ -146,7 +131,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def bad_request(request: Request, exc: BadRequest) -> JSONResponse:
         return _error(HTTPError(400, str(exc), exc.param))
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"model": dict, "description": "shutting down"}})
     async def health() -> JSONResponse:
         stats = await server.engine_loop.stats()
         body = {"status": "draining" if server.draining else "ok",
@@ -156,24 +141,27 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                 "kv_used_blocks": stats["kv_used_blocks"]}
         return JSONResponse(body, status_code=503 if server.draining else 200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {}},
+                              "description": "Prometheus text format"}})
     async def metrics() -> Response:
         stats = await server.engine_loop.stats()
         return Response(server.metrics.render(stats),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(401))
     async def models() -> dict:
         return {"object": "list", "data": [
             {"id": config.model_name, "object": "model", "created": now(), "owned_by": "rung",
              "root": server.model_path, "max_model_len": server.max_model_len}]}
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request):
-        server.check_model(req.model)
-        prompts = [server.tokenize(p, "prompt") for p in completion_prompts(req)]
-        params = sampling_params(req, req.max_tokens, req.logprobs)
-        server.check_length(prompts, params, "prompt")
+    defs: dict[str, Any] = {}           # the request bodies' schema definitions
+
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest, defs),
+              responses=_errors(400, 401, 404, 500, 503, streams=True))
+    async def completions(raw: Request):
+        prepared = await server.preparer.completion(await read_body(raw, config.limits))
+        req, prompts, params = prepared.req, prepared.prompts, prepared.params
         stream = await server.submit(prompts, params, "cmpl")
         tracker = Tracker(server, stream, prompts, params.n)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
@@ -184,28 +172,20 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         await until_done_or_hangup(raw, collect(stream, tracker, completion_logprobs_of))
         return {**head, "choices": [
             {"index": c.index, "text": c.text, "logprobs": c.logprobs,
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+             **_prompt_logprobs(tracker, c, params)}
             for c in tracker.choices], "usage": tracker.usage()}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw: Request):
-        server.check_model(req.model)
-        try:
-            prompt = apply_chat_template(server.tokenizer, chat_messages(req),
-                                         req.chat_template or config.chat_template,
-                                         req.add_generation_prompt, server.model_path)
-        except BadRequest:
-            raise
-        except ValueError as e:
-            raise BadRequest(str(e), "messages") from None
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        num_top = req.top_logprobs or 0
-        params = sampling_params(req, max_tokens, num_top if req.logprobs else None)
-        server.check_length([prompt], params, "messages")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest, defs),
+              responses=_errors(400, 401, 404, 500, 503, streams=True))
+    async def chat_completions(raw: Request):
+        prepared = await server.preparer.chat(await read_body(raw, config.limits))
+        req, prompt, params = prepared.req, prepared.prompts[0], prepared.params
         stream = await server.submit([prompt], params, "chatcmpl")
         tracker = Tracker(server, stream, [prompt], params.n)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                 "created": now(), "model": config.model_name}
+        num_top = prepared.num_top
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             return _sse(chat_events(stream, tracker, head, include_usage, num_top))
@@ -214,47 +194,102 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             {"index": c.index, "message": {"role": "assistant", "content": c.text},
              "logprobs": c.logprobs, "finish_reason": c.finish_reason,
              "stop_reason": c.stop_reason} for c in tracker.choices],
-            "usage": tracker.usage()}
+            "usage": tracker.usage(),
+            **(_prompt_logprobs(tracker, tracker.choices[0], params) if tracker.choices
+               else {})}
 
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = default_openapi()
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(defs)
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
 class _AuthAndCount:
     """ASGI middleware: the Bearer token on /v1 (when --api-key is set), and a count of
-    every answer by path and status. NOTE: plain ASGI, not Starlette's BaseHTTPMiddleware,
+    every answer by route and status. NOTE: plain ASGI, not Starlette's BaseHTTPMiddleware,
     which relays every streamed chunk through an extra task and queue."""
 
     def __init__(self, app, server: _Server) -> None:
         self.app, self.server = app, server
         key = server.config.api_key
         self.expected = None if key is None else f"Bearer {key}".encode()
+        self.routes: set[str] | None = None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.routes is None:
+            self.routes = {r.path for r in scope["app"].routes}
+        # NOTE: the label is the route, never the raw path: unknown paths share one
+        # label, so a client cannot grow /metrics with the paths it makes up
         path = scope["path"]
-        if self.expected is not None and path.startswith("/v1") and (
-                dict(scope["headers"]).get(b"authorization") != self.expected):
-            self._count(path, 401)
+        label = path if path in self.routes else "unmatched"
+        if self.expected is not None and path.startswith("/v1") and not hmac.compare_digest(
+                dict(scope["headers"]).get(b"authorization", b""), self.expected):
+            self._count(label, 401)
             await _error(HTTPError(401, "missing or wrong API key: send 'Authorization: "
                                    "Bearer <key>'"))(scope, receive, send)
             return
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":
-                self._count(path, message["status"])
+                self._count(label, message["status"])
             await send(message)
 
         await self.app(scope, receive, counting_send)
 
-    def _count(self, path: str, status: int) -> None:
+    def _count(self, label: str, status: int) -> None:
         m = self.server.metrics
-        m.requests.labels(m.model_name, path, str(status)).inc()
+        m.requests.labels(m.model_name, label, str(status)).inc()
 
 
-def _error(exc: HTTPError) -> JSONResponse:
-    return JSONResponse(error_body(exc.message, exc.code, exc.param), status_code=exc.code)
+def _error(exc: HTTPError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(exc.message, exc.code, exc.param), status_code=exc.code,
+                        headers=headers)
+
+
+def _prompt_logprobs(tracker: Tracker, choice: Choice, params: SamplingParams) -> dict:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then for each one
+    ``{token_id: {"logprob", "rank", "decoded_token"}}``; nothing unless asked for."""
+    if params.prompt_logprobs is None:
+        return {}
+    entries = tracker.prompt_logprobs.get(choice.index // tracker.n)
+    return {"prompt_logprobs": None if entries is None else [
+        None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                         "decoded_token": lp.decoded_token}
+                                for t, lp in e.items()} for e in entries]}
+
+
+_ERROR_WHEN = {400: "a bad request: the body names the field (and the limit)",
+               401: "missing or wrong API key", 404: "no such model",
+               500: "the engine failed this request", 503: "queue full or shutting down"}
+
+
+def _errors(*codes: int, streams: bool = False) -> dict[int | str, dict[str, Any]]:
+    """The documented answers: OpenAI's error body for each of ``codes``; with
+    ``streams``, a 200 that is JSON or server-sent events (``"stream": true``)."""
+    out: dict[int | str, dict[str, Any]] = {
+        code: {"model": ErrorResponse, "description": _ERROR_WHEN[code]} for code in codes}
+    if streams:
+        out[200] = {"description": "the completion, or its events when stream is true",
+                    "content": {"application/json": {}, "text/event-stream": {}}}
+    return out
+
+
+def _body_schema(model: type[BaseModel], defs: dict[str, Any]) -> dict:
+    """The OpenAPI request body of a route that reads its own body (so that parsing runs
+    off the event loop); its definitions are added to the document's components."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs.update(schema.pop("$defs", {}))
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": schema}}}}
 
 
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:
@@ -262,16 +297,40 @@ def _sse(events: AsyncIterator[str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache"})
 
 
+GIL_SWITCH_INTERVAL_S = 0.0005
+_CLOSE_GRACE_S = 1.0      # after the drain: cut streams get this long to reach their client
+
 # --- running ------------------------------------------------------------------------------------
 class _GracefulServer(uvicorn.Server):
     """SIGTERM / SIGINT: refuse new requests, let running ones finish for
     ``shutdown_timeout_s``, cut the rest (finish_reason "abort"), then exit. A second
-    signal exits at once."""
+    signal exits at once. And a header timeout, which uvicorn has not: a connection that
+    has not sent a whole request head within ``request_header_timeout_s`` is closed."""
 
     def __init__(self, config: uvicorn.Config, server: _Server) -> None:
         super().__init__(config)
         self.rung = server
         self._drain_started = False
+        self._waiting_since: dict[Any, float] = {}     # connection -> waiting for a head
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        self._sweeper = asyncio.ensure_future(self._sweep_slow_heads())
+
+    async def _sweep_slow_heads(self) -> None:
+        timeout_s = self.rung.config.limits.request_header_timeout_s
+        while not self.should_exit:
+            await asyncio.sleep(min(timeout_s / 4, 1.0))
+            now_s, seen = time.monotonic(), {}
+            for c in self.server_state.connections:
+                cycle = getattr(c, "cycle", None)
+                # NOTE: an idle keep-alive connection has uvicorn's own timer running
+                if (cycle is None or cycle.response_complete) and getattr(
+                        c, "timeout_keep_alive_task", None) is None:
+                    seen[c] = self._waiting_since.get(c, now_s)
+                    if now_s - seen[c] > timeout_s and c.transport is not None:
+                        c.transport.abort()
+            self._waiting_since = seen
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self._drain_started:
@@ -296,17 +355,41 @@ class _GracefulServer(uvicorn.Server):
             await engine_loop.abort_all()
             logger.warning("shutdown: cut %d request(s) still running (finish_reason "
                            "'abort')", cut)
-            deadline = time.monotonic() + 5.0
-            while engine_loop.num_requests_in_flight and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
+        deadline = time.monotonic() + _CLOSE_GRACE_S
+        while self._answering() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        # NOTE: a client that does not read holds its answer in a blocked send; dropping
+        # its connection ends the send, so the exit is not held past the grace
+        stuck = self._answering()
+        if stuck:
+            logger.warning("shutdown: dropping %d connection(s) whose client does not "
+                           "read", len(stuck))
+        for connection in stuck:
+            connection.transport.abort()
         self.should_exit = True
+
+    def _answering(self) -> list:
+        """Connections with an answer not fully sent."""
+        return [c for c in self.server_state.connections
+                if getattr(c, "transport", None) is not None
+                and getattr(c, "cycle", None) is not None
+                and not getattr(c.cycle, "response_complete", True)]
 
 
 def run_server(engine: LLMEngine, config: ServerConfig, host: str, port: int,
-               log_level: str = "info") -> int:
+               log_level: str = "info", limit_concurrency: int | None = None,
+               timeout_keep_alive: float = 5.0) -> int:
     app = build_app(engine, config)
+    # NOTE: the engine thread gives the GIL up around every torch op and must take it back
+    # from whoever holds it (the event loop, a preparing worker); with the default 5 ms
+    # interval a busy neighbour makes every step wait that long many times over
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    # NOTE: _drain has already given running requests --shutdown-timeout and cut the
+    # rest; what uvicorn still waits for is a client that does not read its cut stream
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                               timeout_graceful_shutdown=5, access_log=False)
+                               timeout_graceful_shutdown=_CLOSE_GRACE_S, access_log=False,
+                               limit_concurrency=limit_concurrency,
+                               timeout_keep_alive=timeout_keep_alive)
     server = _GracefulServer(uv_config, app.state.server)
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", config.model_name,
                 host, port)

@@ -3,7 +3,7 @@
 The engine is not thread-safe, so exactly one thread (`EngineLoop._run`) calls it. Handlers,
 on the asyncio event loop, put commands on a queue (add, abort, stats, abort-all, stop); the
 owner drains it between two steps, steps while anything is unfinished, and hands every
-step's outputs back to the event loop in one call, where each lands on the queue of the
+step's outputs back to the event loop in one call, where each lands on the stream of the
 HTTP request that owns it. A handler whose client hung up sends an abort; the owner aborts
 the request between steps, which frees its KV blocks.
 """
@@ -41,27 +41,47 @@ class QueueFull(RuntimeError):
 
 class RequestStream:
     """The outputs of one HTTP request's engine requests (several prompts, or one), as the
-    owner delivers them: DELTA outputs, then an exception if the request failed."""
+    owner delivers them: DELTA outputs, then an exception if the request failed.
+
+    NOTE: bounded whatever the client does: outputs that arrive before the reader takes
+    them merge into one pending output per sequence (`put`), so a client that does not
+    read holds at most its request's own output (at most max_tokens tokens per
+    sequence), never one object per engine step."""
 
     def __init__(self, loop: EngineLoop, request_ids: list[str], num_seqs: int) -> None:
         self._loop = loop
         self.request_ids = request_ids
         self.num_seqs = num_seqs
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self._pending: dict[tuple[str, int], RequestOutput] = {}
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
         self._unfinished = set(request_ids)
 
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self._error = self._error or item
+        else:
+            # NOTE: a DELTA output holds one completion (n > 1: one per child, by index)
+            key = (item.request_id, item.outputs[0].index)
+            pending = self._pending.get(key)
+            self._pending[key] = item if pending is None else _merge(pending, item)
+        self._ready.set()
+
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        """Outputs in order; what piled up while the reader was busy comes merged, so a
-        slow client gets fewer, larger deltas instead of falling further behind."""
+        """Outputs in order per sequence; what piled up while the reader was busy comes
+        merged, so a slow client gets fewer, larger deltas instead of falling behind. An
+        error is raised after the outputs that came before it."""
         try:
             while self._unfinished:
-                items = [await self.queue.get()]
-                while not self.queue.empty():
-                    items.append(self.queue.get_nowait())
-                for item in _coalesce(items):
+                await self._ready.wait()
+                self._ready.clear()
+                items, self._pending = list(self._pending.values()), {}
+                for item in items:
                     if item.finished:
                         self._unfinished.discard(item.request_id)
                     yield item
+                if self._error is not None:
+                    raise self._error
         finally:
             self.close()
 
@@ -73,26 +93,14 @@ class RequestStream:
         self._loop._forget(self)
 
 
-def _coalesce(items: list) -> list[RequestOutput]:
-    """Consecutive DELTA outputs of one sequence -> one; an exception among ``items`` is
-    raised after the outputs before it."""
-    merged: dict[tuple[str, int], RequestOutput] = {}
-    for item in items:
-        if isinstance(item, BaseException):
-            raise item
-        # NOTE: a DELTA output holds one completion (n > 1: one per child, by index)
-        key = (item.request_id, item.outputs[0].index)
-        merged[key] = _merge(merged[key], item) if key in merged else item
-    return list(merged.values())
-
-
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     ca, cb = a.outputs[0], b.outputs[0]
     c = dataclasses.replace(
         cb, token_ids=ca.token_ids + cb.token_ids,
         logprobs=None if cb.logprobs is None else (ca.logprobs or []) + cb.logprobs)
     c.text = ca.text + cb.text
-    return dataclasses.replace(b, outputs=[c])
+    return dataclasses.replace(b, outputs=[c],
+                               prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs)
 
 
 class EngineLoop:
@@ -178,7 +186,7 @@ class EngineLoop:
         for rid, item in items:
             stream = self._owners.get(rid)
             if stream is not None:
-                stream.queue.put_nowait(item)
+                stream.put(item)
 
     def _resolve(self, future: asyncio.Future, value: Any) -> None:
         if not future.done():

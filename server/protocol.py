@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,13 +28,16 @@ class BadRequest(ValueError):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="allow")
+    # NOTE: strict: `"max_tokens": "4"` or `prompt: [true]` is a 400, not coerced
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -52,10 +55,15 @@ class _Sampling(BaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # NOTE: the constraints are documented in /openapi.json; an empty prompt is a 400
+    prompt: (Annotated[str, Field(min_length=1)]
+             | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+             | Annotated[list[int], Field(min_length=1)]
+             | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)])
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -64,7 +72,7 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -95,7 +103,8 @@ def sampling_params(req: _Sampling, max_tokens: int | None, logprobs: int | None
                               "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens,
                               "stop_token_ids": req.stop_token_ids or [],
                               "include_stop_str_in_output": req.include_stop_str_in_output,
-                              "logprobs": logprobs, "seed": req.seed}
+                              "logprobs": logprobs, "seed": req.seed,
+                              "prompt_logprobs": req.prompt_logprobs}
     for name in ("temperature", "top_p", "top_k"):
         if getattr(req, name) is not None:
             kwargs[name] = getattr(req, name)
@@ -154,9 +163,25 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             if any(part.get("type") != "text" for part in content):
                 raise BadRequest(f"messages[{i}].content: only text parts are supported",
                                  "messages")
-            content = "".join(part.get("text", "") for part in content)
+            if not all(isinstance(part.get("text"), str) for part in content):
+                raise BadRequest(f"messages[{i}].content: a text part's text must be a "
+                                 "string", "messages")
+            content = "".join(part["text"] for part in content)
         out.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
     return out
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: every 4xx / 5xx of the server has this shape."""
+
+    error: ErrorInfo
 
 
 def error_body(message: str, code: int, param: str | None = None) -> dict[str, Any]:

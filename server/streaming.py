@@ -49,11 +49,25 @@ class Tracker:
         self.prompt_index = {rid: i for i, rid in enumerate(stream.request_ids)}
         self.num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         self.choices = [Choice(i) for i in range(len(prompts) * n)]
+        self.prompt_logprobs: dict[int, list] = {}     # prompt index -> vLLM's entries
         m = server.metrics
         m.prompt_tokens.labels(m.model_name).inc(self.num_prompt_tokens)
 
     def choice(self, request_id: str, index: int) -> Choice:
         return self.choices[self.prompt_index[request_id] * self.n + index]
+
+    def seen(self, out) -> None:
+        """Note what an output carries for the whole prompt (its prompt_logprobs)."""
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[self.prompt_index[out.request_id]] = out.prompt_logprobs
+
+    def abort_unfinished(self) -> list[Choice]:
+        """The client hung up or the server cut the request: what had not finished is
+        counted as aborted."""
+        cut = [c for c in self.choices if c.finish_reason is None]
+        for choice in cut:
+            self.finish(choice, "abort")
+        return cut
 
     def record(self, choice: Choice, num_new_tokens: int) -> None:
         if not num_new_tokens:
@@ -104,6 +118,7 @@ async def collect(stream: RequestStream, tracker: Tracker, add_logprobs) -> None
     """Run a non-streamed request to the end (an engine failure -> 500)."""
     try:
         async for out in stream:
+            tracker.seen(out)
             for c in out.outputs:
                 choice = tracker.choice(out.request_id, c.index)
                 add_logprobs(choice, c)
@@ -114,10 +129,10 @@ async def collect(stream: RequestStream, tracker: Tracker, add_logprobs) -> None
                     raise HTTPError(500, c.error or "the engine failed this request")
                 if c.finish_reason is not None:
                     tracker.finish(choice, c.finish_reason, c.stop_reason)
-    except RequestAborted:
-        for choice in tracker.choices:
-            if choice.finish_reason is None:
-                tracker.finish(choice, "abort")
+    except (RequestAborted, asyncio.CancelledError) as e:
+        tracker.abort_unfinished()
+        if isinstance(e, asyncio.CancelledError):      # the client hung up
+            raise
     except EngineError as e:
         raise HTTPError(500, str(e)) from None
 
@@ -172,12 +187,11 @@ async def _events(stream: RequestStream, tracker: Tracker, head: dict, include_u
             if choices:
                 yield _event({**head, "choices": choices, **usage_none})
     except RequestAborted:
-        cut = []
-        for choice in tracker.choices:
-            if choice.finish_reason is None:
-                tracker.finish(choice, "abort")
-                cut.append(choice_body(choice, None, False))
+        cut = [choice_body(c, None, False) for c in tracker.abort_unfinished()]
         yield _event({**head, "choices": cut, **usage_none})
+    except (GeneratorExit, asyncio.CancelledError):     # the client hung up
+        tracker.abort_unfinished()
+        raise
     except EngineError as e:
         yield _event(error_body(str(e), 500))
         return

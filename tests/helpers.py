@@ -60,6 +60,52 @@ def assert_matches_hf(hf_model, outputs, prompts, num_tokens: int, atol: float =
         assert diff <= atol, f"prompt of {len(prompt)} tokens: logprob diff {diff:.2e} > {atol}"
 
 
+# --- model families on the Llama layout (HF oracle, random weights) ----------------------
+FAMILY_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                    initializer_range=0.1, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+# HF model_type -> config kwargs that exercise what the family declares differently
+FAMILY_CONFIGS = {
+    "qwen2": dict(FAMILY_SMALL, tie_word_embeddings=True),
+    # window 24 < the longest prompts (31..60 tokens): old keys leave the window mid-prompt
+    "phi3": dict(FAMILY_SMALL, partial_rotary_factor=0.5, sliding_window=24, pad_token_id=0),
+    # 5 sliding layers : 1 full, window 16 < the longest prompts; one KV head; an attention
+    # scale that is not head_dim's; own local / global rope bases; final logit soft-cap
+    "gemma3_text": dict(FAMILY_SMALL, hidden_size=128, intermediate_size=256,
+                        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
+                        head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+                        final_logit_softcapping=30.0, pad_token_id=0,
+                        rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                               "rope_theta": 1000.0},
+                                         "full_attention": {"rope_type": "default",
+                                                            "rope_theta": 100000.0}}),
+}
+
+
+def randomize_small_params(model: torch.nn.Module, seed: int) -> None:
+    """Biases and norm weights away from HF's 0 / 1 init, so a mis-loaded one shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name.endswith(".bias"):
+                tensor.copy_(0.5 * torch.randn(tensor.shape, generator=gen))
+            elif name.endswith("norm.weight"):
+                tensor.copy_(0.5 + torch.rand(tensor.shape, generator=gen))
+
+
+def hf_family_model(model_type: str, vocab_size: int, **overrides):
+    """HF's model of ``model_type`` with FAMILY_CONFIGS' config and random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, vocab_size=vocab_size,
+                               **{**FAMILY_CONFIGS[model_type], **overrides},
+                               attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    randomize_small_params(model, 1)
+    return model
+
+
 # --- attention batches ---------------------------------------------------------------------
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NUM_SPARE_BLOCKS = 3          # allocated in the cache, never handed to a request

@@ -141,6 +141,11 @@ def test_bad_input_gets_one_line_each(folders, tmp_path):
         {"argv": ["generate", "--max-model-len", "8", "a prompt far too long"], "rc": 2,
          "err": r"prompt 0 has 22 tokens, longer than max_model_len=8",
          "not_in_err": no_capture},
+        # as the server's 400: a generation that cannot fit the context is refused, not run
+        # for minutes and cut at the context
+        {"argv": ["generate", "--max-model-len", "64", "--max-tokens", "100", "hi"], "rc": 2,
+         "err": r"prompt 0: max_tokens=100 plus the \d+ prompt tokens is more than "
+                r"max_model_len=64", "not_in_err": no_capture},
         {"argv": ["bench", "latency", "--baseline", "hf", "--batch-sizes", "1"],
          "hide": "transformers", "rc": 2,
          "err": r"--baseline hf needs transformers", "not_in_err": ["bench latency"]},
@@ -169,6 +174,14 @@ def test_start_up_says_what_it_decided_and_shows_capture_progress():
                      r"[\d.]+ MiB", err)
     assert "Processed prompts" in err                            # generate's bar
     assert "(2 tokens, length)" in proc.stdout
+    _assert_log_lines_stand_alone(err)
+
+
+def _assert_log_lines_stand_alone(err: str) -> None:
+    """No log line glued onto a progress bar's (tqdm redraws a bar after '\\r')."""
+    for segment in re.split(r"[\r\n]", err):
+        if re.search(r"(INFO|WARNING) \d\d:\d\d:\d\d \[rung", segment):
+            assert re.match(r"\s*(INFO|WARNING) ", segment), segment
 
 
 def test_logging_level_silences_start_up():
@@ -226,6 +239,32 @@ def test_ctrl_c_during_start_up_exits_quietly_with_130():
     _, rest = proc.communicate(timeout=120)
     assert proc.returncode == 130, seen + rest
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest
+
+
+def test_long_generation_shows_tokens_and_ctrl_c_prints_the_partial_text():
+    proc = subprocess.Popen(RUNG + ["generate", "--enforce-eager", "--ignore-eos",
+                                    "--max-tokens", "2000", "--prompt-token-ids", "1,2,3"],
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, env=_env(),
+                            cwd=ROOT)
+    deadline = time.monotonic() + 300
+    seen = ""
+    # the bar moves while the one prompt is still 0/1: tokens and tok/s
+    while time.monotonic() < deadline:
+        chunk = os.read(proc.stderr.fileno(), 65536).decode(errors="replace")
+        if not chunk:
+            break
+        seen += chunk
+        counts = re.findall(r"0/1 \[[^\]]*output (\d+) tok, [\d.]+ tok/s", seen)
+        if counts and int(counts[-1]) >= 20:
+            break
+    proc.send_signal(signal.SIGINT)
+    out, rest = proc.communicate(timeout=120)
+    out, rest = out.decode(), rest.decode()
+    assert proc.returncode == 130, seen + rest
+    assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest
+    match = re.search(r"--- \[1, 2, 3\] -> \(interrupted after (\d+) tokens\)", out)
+    assert match and int(match.group(1)) >= 20, out
+    _assert_log_lines_stand_alone(seen + rest)
 
 
 # --- 2 and 8: the ladder cap and the warmup table ----------------------------------------------

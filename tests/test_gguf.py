@@ -4,7 +4,7 @@ the same weights, bad files rejected with clear errors, tokenizer and chat templ
 import numpy as np
 import pytest
 import torch
-from helpers import assert_matches_hf, random_prompts
+from helpers import FAMILY_CONFIGS, assert_matches_hf, hf_family_model, random_prompts
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rung.models import loader
@@ -33,6 +33,14 @@ def _vocab() -> list[str]:
 def _hf_model(arch: str):
     torch.manual_seed(0)
     vocab_size = len(_vocab())
+    if arch in FAMILY_CONFIGS:
+        return hf_family_model(arch, vocab_size, eos_token_id=4)
+    if arch == "gemma3":
+        # what a gemma3 GGUF can say: llama.cpp fixes the local rope base (10000) and the
+        # attention scale (1 / sqrt(head_dim)), and has no final soft-cap
+        return hf_family_model("gemma3_text", vocab_size, eos_token_id=4,
+                               query_pre_attn_scalar=32, rope_parameters=_GEMMA3_ROPE,
+                               final_logit_softcapping=None)
     if arch == "llama":
         cfg = LlamaConfig(vocab_size=vocab_size, **COMMON, attn_implementation="eager")
         return LlamaForCausalLM(cfg).eval()
@@ -46,16 +54,27 @@ _TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_nor
             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+            # Phi-3's fused tensors, as llama.cpp keeps them
+            "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
-def _gguf_name(hf_name: str) -> str:
+_GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
+# Gemma's four norms a layer (llama.cpp's names)
+_GEMMA_TO_GGUF = {"post_attention_layernorm": "post_attention_norm",
+                  "pre_feedforward_layernorm": "ffn_norm",
+                  "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     stem, suffix = hf_name.rsplit(".", 1)
     top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
     if stem in top:
         return f"{top[stem]}.{suffix}"
     _, _, layer, rest = stem.split(".", 3)
-    return f"blk.{layer}.{_TO_GGUF[rest]}.{suffix}"
+    names = {**_TO_GGUF, **_GEMMA_TO_GGUF} if arch == "gemma3" else _TO_GGUF
+    return f"blk.{layer}.{names[rest]}.{suffix}"
 
 
 def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -77,10 +96,16 @@ def write_gguf(path, hf_model=None, arch: str = "llama", qtype: str = "F32",
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if getattr(cfg, "sliding_window", None):
+        w.add_sliding_window(cfg.sliding_window)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(_GEMMA3_ROPE["full_attention"]["rope_theta"] if arch == "gemma3"
+                         else 10000.0)
     w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model(tokenizer_model)
     w.add_tokenizer_pre("default")
@@ -99,15 +124,18 @@ def write_gguf(path, hf_model=None, arch: str = "llama", qtype: str = "F32",
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         data = tensor.float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1.0               # llama.cpp stores Gemma's 1 + w
         if arch == "llama" and ".q_proj." in name:
             data = _permute(data, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             data = _permute(data, cfg.num_key_value_heads)
         if data.ndim == 2 and qtype != "F32":
             kind = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(data, kind), raw_dtype=kind)
+            w.add_tensor(_gguf_name(name, arch), gguf.quants.quantize(data, kind),
+                         raw_dtype=kind)
         else:
-            w.add_tensor(_gguf_name(name), data)
+            w.add_tensor(_gguf_name(name, arch), data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -115,7 +143,7 @@ def write_gguf(path, hf_model=None, arch: str = "llama", qtype: str = "F32",
     return str(path)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2", "phi3", "gemma3"])
 def gguf_pair(request, tmp_path_factory):
     hf_model = _hf_model(request.param)
     path = write_gguf(tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf", hf_model,
@@ -326,3 +354,19 @@ def test_second_load_maps_the_cached_dequantized_weights(tmp_path, arch, monkeyp
     again = load_model(path, cache_dir=cache).model
     assert all(torch.equal(t, want[n]) for n, t in tensors(again).items())
     assert entry.stat().st_size > 100                        # rewritten from the file
+
+
+def test_phi3_fused_tensors_stay_quantized(tmp_path):
+    """Phi-3's fused attn_qkv and ffn_up (gate_up) tensors of a Q8_0 file are served in
+    their blocks under quantization="gguf", each shard's rows where the dequantized layer
+    has them."""
+    from rung.models.layers import QuantLinear
+
+    path = write_gguf(tmp_path / "phi3.gguf", _hf_model("phi3"), "phi3", qtype="Q8_0")
+    quantized = load_model(path, quantization="gguf").model
+    dequantized = load_model(path).model
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj"):
+        layer, want = quantized.get_submodule(name), dequantized.get_submodule(name)
+        assert isinstance(layer, QuantLinear) and layer.type_name == "Q8_0"
+        torch.testing.assert_close(layer(x), want(x), atol=0.05, rtol=0.02)

@@ -67,7 +67,8 @@ def test_graph_startup_is_checked():
 
 
 @pytest.fixture
-def two_torch_threads():
+def two_torch_threads(monkeypatch):
+    monkeypatch.setenv("RUNG_NUM_THREADS", "2")     # whatever the free cores at start-up
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     yield

@@ -135,14 +135,29 @@ def test_default_ladder_is_capped():
     assert capture_sizes(None, 12, 0, 8192, short=True) == [1, 2, 4, 8, 12]
 
 
-def test_gpu_memory_utilization_sizes_the_kv_cache():
+def test_cpu_kv_cache_follows_max_num_seqs_and_max_model_len(monkeypatch, caplog):
     args = {"enforce_eager": True, "max_model_len": 64, "max_num_seqs": 4,
             "tensor_parallel_size": 1, "trust_remote_code": False}
-    roomy = LLM("tiny-llama", gpu_memory_utilization=0.9, **args).engine.stats()
+    # gpu_memory_utilization sizes nothing on CPU (vLLM's CPU backend ignores it too): a
+    # user's 0.5 once reserved half the RAM for a 135M model
+    with caplog.at_level("WARNING", logger="rung.runtime.config"):
+        roomy = LLM("tiny-llama", gpu_memory_utilization=0.5, **args).engine.stats()
+    assert "gpu_memory_utilization=0.5 is ignored on CPU" in caplog.text
     assert roomy["kv_total_blocks"] == 4 * 64 // 16        # every sequence at full length
-    # a sliver of RAM: the floor of one sequence at max_model_len
-    tiny = LLM("tiny-llama", gpu_memory_utilization=1e-12, **args).engine.stats()
+    # a sliver of KV space: the floor of one sequence at max_model_len
+    monkeypatch.setenv("RUNG_CPU_KVCACHE_SPACE", "1e-9")
+    tiny = LLM("tiny-llama", **args).engine.stats()
     assert tiny["kv_total_blocks"] == 64 // 16
+    monkeypatch.setenv("RUNG_CPU_KVCACHE_SPACE", "lots")
+    with pytest.raises(ValueError, match="RUNG_CPU_KVCACHE_SPACE='lots' must be a positive"):
+        LLM("tiny-llama", **args)
+
+
+def test_llm_defaults_are_sized_for_a_cpu():
+    llm = LLM("tiny-llama", device="cpu", max_model_len=32,
+              compilation_config={"graph_backend": "emulated"})
+    assert llm.engine.config.max_num_seqs == 16      # as the CLI; vLLM's 256 on CUDA
+    assert llm.engine.runner.dispatcher.sizes == [1, 2, 4, 8, 16]
 
 
 def test_capture_sizes_below_the_largest_batch_warn_which_batches_run_eagerly(caplog):

@@ -70,8 +70,8 @@ def test_prefill_gathers_kv_once_per_request(monkeypatch, shape, layout):
     gathered = []
     real_gather = torch_backend._gather_kv
 
-    def spy(kv_cache, meta, rows):
-        kv = real_gather(kv_cache, meta, rows)
+    def spy(kv_cache, meta, rows, *rest):
+        kv = real_gather(kv_cache, meta, rows, *rest)
         gathered.append(kv.shape[1])                 # K/V copies made
         return kv
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -16,6 +17,7 @@ from rung.runtime.config import (
     CompilationConfig,
     EngineConfig,
     SpeculativeConfig,
+    default_max_num_seqs,
     parse_device,
     parse_dtype,
 )
@@ -25,10 +27,12 @@ from rung.runtime.outputs import CompletionOutput, RequestOutput
 from rung.runtime.request_ids import GenerateId
 from rung.runtime.sampling_params import RequestOutputKind, SamplingParams
 
+logger = logging.getLogger(__name__)
+
 
 class LLM:
     def __init__(self, model: str, dtype: str | torch.dtype = "auto", device: str = "auto",
-                 seed: int = 0, max_num_seqs: int = 256, max_model_len: int | None = None,
+                 seed: int = 0, max_num_seqs: int | None = None, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  enforce_eager: bool = False,
                  compilation_config: dict[str, Any] | None = None,
@@ -42,15 +46,27 @@ class LLM:
                  data_parallel_routing: str = "round_robin",
                  data_parallel_timeout_s: float = 120.0,
                  gpu_memory_utilization: float | None = None,
-                 tensor_parallel_size: int = 1, trust_remote_code: bool = False) -> None:
+                 tensor_parallel_size: int = 1, trust_remote_code: bool = False,
+                 swap_space: float | None = None,
+                 batch_invariant: bool | None = None) -> None:
         """``data_parallel_size`` > 1: this process is one rank (under torchrun, or spawned
         by `rung ... --data-parallel-size N`); every rank builds the same LLM and passes the
         same prompts to `generate`, which runs each rank's share (``data_parallel_routing``:
         round_robin or least_tokens) and returns every output on every rank.
 
-        ``gpu_memory_utilization``: the share of free device memory (CUDA) or of RAM (CPU)
-        the KV cache may take. ``tensor_parallel_size`` > 1 and ``trust_remote_code`` are
-        vLLM's names for what rung does not do (ValueError)."""
+        ``max_num_seqs``: None -> 256 on CUDA, 16 on CPU (a CPU step's cost grows with its
+        batch, and each ladder size costs a compile at start-up).
+        ``gpu_memory_utilization``: the share of free device memory the KV cache may take on
+        CUDA; ignored on CPU (a warning), where the cache holds max_num_seqs sequences of
+        max_model_len up to $RUNG_CPU_KVCACHE_SPACE GiB (default 4, at most RAM / 4).
+        ``tensor_parallel_size`` > 1 and ``trust_remote_code`` are
+        vLLM's names for what rung does not do (ValueError). ``swap_space`` (vLLM's CPU
+        swap, GiB) is accepted and unused: a preempted request recomputes its KV, as in
+        vLLM's V1 engine.
+
+        ``batch_invariant`` (None: $RUNG_BATCH_INVARIANT == "1"): a request's logits, so its
+        greedy and seeded tokens, do not depend on the batch it runs in (README says what
+        is promised and what it costs)."""
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} is unsupported: "
                              "rung runs a model on one device (data_parallel_size runs "
@@ -58,12 +74,18 @@ class LLM:
         if trust_remote_code:
             raise ValueError("trust_remote_code=True is unsupported: rung runs only its own "
                              "model code (Llama, Qwen3, Gemma 4), never a folder's")
+        if swap_space:
+            logger.info("swap_space=%s GiB is not used: rung swaps no KV blocks to CPU memory "
+                        "(a preempted request recomputes them, as vLLM's V1 engine does)",
+                        swap_space)
         if data_parallel_routing not in ROUTING_POLICIES:
             raise ValueError(f"data_parallel_routing {data_parallel_routing!r} not in "
                              f"{ROUTING_POLICIES}")
         self.data_parallel_routing = data_parallel_routing
         self._num_prompts = 0
         dev = parse_device(device)
+        if max_num_seqs is None:
+            max_num_seqs = default_max_num_seqs(dev)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, max_num_seqs) if isinstance(
                 max_num_seqs, int) else 2048
@@ -83,6 +105,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching)
         if debug_padding is not None:
             config.debug_padding = debug_padding
+        if batch_invariant is not None:
+            config.batch_invariant = batch_invariant
         self.engine = LLMEngine(config, capture_progress)
 
     def wait_for_graphs(self, timeout: float | None = None) -> bool:
@@ -155,7 +179,7 @@ class LLM:
         bar = tqdm(total=num_all, desc="Processed prompts", unit="prompt", file=sys.stderr,
                    disable=not use_tqdm)
         base = self.engine.dp_num_finished
-        num_output_tokens = 0
+        base_tokens = self.engine.num_generated_tokens
         self.engine.all_ranks_idle = False
         try:
             while self._keep_stepping(len(done) < num_prompts):
@@ -166,13 +190,16 @@ class LLM:
                 for out in outputs:
                     if out.finished and out.request_id in ids:
                         done[out.request_id] = out
-                        num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
                         if dp is None:
                             bar.update(1)
-                        elapsed = bar.format_dict["elapsed"]
-                        if elapsed > 0:
-                            bar.set_postfix_str(
-                                f"output {num_output_tokens / elapsed:.1f} tok/s", refresh=False)
+                # NOTE: every step, so a long generation shows its tokens move; the bar
+                # redraws at most every mininterval (update(0) is the throttled refresh)
+                num_tokens = self.engine.num_generated_tokens - base_tokens
+                elapsed = bar.format_dict["elapsed"]
+                if use_tqdm and elapsed > 0:
+                    bar.set_postfix_str(f"output {num_tokens} tok, {num_tokens / elapsed:.1f} "
+                                        "tok/s", refresh=False)
+                    bar.update(0)
         finally:
             bar.close()
         return done

@@ -10,6 +10,7 @@ import functools
 import logging
 from typing import Any, Callable
 
+from rung.graphs.backends import resolve_graph_backend
 from rung.graphs.manager import CaptureRecord
 from rung.runtime.config import EngineConfig
 from rung.runtime.dist.data_parallel import DataParallelGroup, DPStep, init_data_parallel
@@ -27,6 +28,7 @@ from rung.runtime.sched.kv_cache_manager import KVCacheManager
 from rung.runtime.sched.request import Request
 from rung.runtime.sched.scheduler import Scheduler, SchedulerOutput
 from rung.runtime.spec.proposer import SpecStats
+from rung.runtime.thread_policy import apply_thread_policy
 from rung.runtime.worker.kernel_warmup import sweep_attention_shapes
 from rung.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -43,10 +45,13 @@ class LLMEngine:
         self.dp: DataParallelGroup | None = None
         self.all_ranks_idle = False      # data parallel: the last step's sync found no work
         self.num_finished_outputs = 0    # finished outputs step() has returned
+        self.num_generated_tokens = 0    # output tokens committed, every request's
         self.dp_num_finished = 0         # data parallel: the same, all ranks, at the last sync
         if config.data_parallel_size > 1:
             self.dp, config.device = init_data_parallel(
                 config.data_parallel_size, config.device, config.data_parallel_timeout_s)
+        if config.device.type == "cpu":
+            apply_thread_policy()
         self.loaded, self.max_model_len = load_target(config)
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(config, self.loaded, self.max_model_len)
@@ -70,6 +75,12 @@ class LLMEngine:
                                               self.max_model_len)
                            if self.dp is not None else None)
         self.graph_startup: GraphStartup | None = None
+        if config.batch_invariant and not config.enforce_eager and resolve_graph_backend(
+                config.compilation.graph_backend, config.device) == "compiled":
+            # NOTE: inductor's kernels reduce in their own order, chosen per compiled size
+            logger.warning("batch_invariant: compiled CPU graphs are not batch-invariant; "
+                           "every step runs eagerly")
+            config.enforce_eager = True
         if config.enforce_eager:
             logger.info("enforce_eager: no graphs, every step runs eagerly")
         else:
@@ -211,6 +222,7 @@ class LLMEngine:
             num_computed = s.num_new_tokens - s.num_spec_tokens + num_accepted
             num_kept, reason = req.commit(new, num_computed, self.kv,
                                           functools.partial(self.outputs.stop_reason, req))
+            self.num_generated_tokens += num_kept
             if not new:
                 continue
             logprobs = result.logprobs.get(req.request_id)

@@ -33,6 +33,9 @@ class InputProcessor:
         if eos is None:
             eos = model_config.get("eos_token_id")
             eos = eos[0] if isinstance(eos, list) else eos
+        if isinstance(eos, int) and not 0 <= eos < vocab_size:
+            raise ValueError(f"model {model!r} has eos_token_id {eos}, outside its vocabulary "
+                             f"of {vocab_size} tokens (ids 0..{vocab_size - 1})")
         self.eos_token_id: int | None = eos
 
     def process(self, prompt: Prompt, params: SamplingParams) -> ProcessedInput:

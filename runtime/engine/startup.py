@@ -22,6 +22,7 @@ from rung.graphs.backends import resolve_graph_backend
 from rung.graphs.builder import GraphBuilder
 from rung.graphs.ladder import capture_sizes
 from rung.graphs.manager import TARGET, CaptureRecord, GraphManager
+from rung.kernels.batch_invariant import make_batch_invariant
 from rung.models.loader import LoadedModel, load_model
 from rung.models.registry import DraftModel
 from rung.runtime.config import EngineConfig
@@ -50,6 +51,8 @@ def load_target(config: EngineConfig) -> tuple[LoadedModel, int]:
         prepare_inductor()
     loaded = load_model(config.model, config.dtype, str(config.device), config.load_format,
                         quantization=config.quantization, cache_dir=cache_dir)
+    if config.batch_invariant:
+        make_batch_invariant(loaded.model)
     if isinstance(loaded.model, DraftModel):
         raise ValueError(f"model {config.model!r} is an MTP drafter, not a model to serve: "
                          "pass it as speculative_config={'method': 'mtp', 'model': "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
@@ -21,7 +20,7 @@ from rung.kernels.attention import Attention
 from rung.kernels.backend import AttentionBackend, allocate_kv_cache
 from rung.kernels.selector import select_backend
 from rung.models.loader import LoadedModel
-from rung.runtime.config import EngineConfig
+from rung.runtime.config import EngineConfig, cpu_kvcache_space_bytes
 from rung.runtime.outputs import Logprob
 from rung.runtime.sched.request import Request
 from rung.runtime.sched.scheduler import SchedulerOutput
@@ -34,7 +33,6 @@ from rung.runtime.worker.sampler import Sampler, SamplingBatch, to_device, token
 if TYPE_CHECKING:
     from rung.graphs.manager import GraphManager
 
-_CPU_KV_BUDGET_BYTES = 2 << 30
 # (descriptor, num_tokens_across_dp) -> the descriptor the step runs
 DescriptorHook = Callable[[BatchExecutionDescriptor, "tuple[int, ...] | None"],
                           BatchExecutionDescriptor]
@@ -155,15 +153,13 @@ class ModelRunner:
         return max(min(wanted, self._kv_budget_bytes() // bytes_per_block), per_seq) + 1
 
     def _kv_budget_bytes(self) -> int:
-        """Memory for the KV cache: ``gpu_memory_utilization`` of the free device memory
-        (weights already loaded) on CUDA, of the machine's RAM on CPU; without it, half
-        the free device memory or a fixed 2 GiB on CPU."""
-        share = self.config.gpu_memory_utilization
+        """The most memory the KV cache may take: ``gpu_memory_utilization`` (default half)
+        of the free device memory (weights already loaded) on CUDA; on CPU
+        $RUNG_CPU_KVCACHE_SPACE (see `cpu_kvcache_space_bytes`)."""
         if self.device.type == "cuda":
+            share = self.config.gpu_memory_utilization
             return int(torch.cuda.mem_get_info(self.device)[0] * (share or 0.5))
-        if share is None:
-            return _CPU_KV_BUDGET_BYTES
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * share)
+        return cpu_kvcache_space_bytes()
 
     def _bind_kv_caches(self) -> None:
         self.kv_caches: dict[str, torch.Tensor] = {}

@@ -1,0 +1,119 @@
+"""The CPU thread policy: how many threads torch, inductor's kernels and rung's own kernels
+run, and how long idle OpenMP threads spin, so that a busy machine slows rung gracefully.
+
+Two parts, because OpenMP reads its wait policy once, when its runtime loads (at
+``import torch``), while torch's thread count can change at any time:
+
+- `set_wait_policy_env` runs when the package ``rung`` is imported: unless the user set
+  ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``, it sets ``GOMP_SPINCOUNT`` so an idle OpenMP
+  thread spins briefly, then sleeps, instead of spinning for a long while on a core another
+  program needs. Too late (and skipped) when torch was imported first.
+- `apply_thread_policy` runs when a CPU engine starts: unless the user chose a count
+  (``RUNG_NUM_THREADS``, ``OMP_NUM_THREADS``, or ``torch.set_num_threads`` to other than
+  torch's default), torch runs on the cores that were free over a short sample. Compiled
+  graphs are generated for that count (it is part of their cache key).
+
+``RUNG_THREAD_POLICY=off`` leaves both to torch and OpenMP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+logger = logging.getLogger(__name__)
+
+POLICY_ENV = "RUNG_THREAD_POLICY"
+NUM_THREADS_ENV = "RUNG_NUM_THREADS"
+# NOTE: libgomp's default spin is 300000 iterations (OMP_WAIT_POLICY unset), long enough to
+# steal a time slice from a busy neighbour at every parallel region's end
+DEFAULT_SPINCOUNT = "10000"
+_WAIT_ENVS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+_SAMPLE_S = 0.2
+
+_spin_set_by_rung = False
+
+
+def policy_enabled() -> bool:
+    return os.environ.get(POLICY_ENV, "auto").lower() != "off"
+
+
+def set_wait_policy_env() -> None:
+    """Before the OpenMP runtime loads: a short spin unless the user set one."""
+    global _spin_set_by_rung
+    if not policy_enabled() or any(k in os.environ for k in _WAIT_ENVS):
+        return
+    if "torch" in sys.modules:      # NOTE: libgomp already read its environment
+        return
+    os.environ["GOMP_SPINCOUNT"] = DEFAULT_SPINCOUNT
+    _spin_set_by_rung = True
+
+
+def _cpu_times(cpus: set[int]) -> tuple[float, float]:
+    """(idle, total) jiffies summed over ``cpus``, from /proc/stat."""
+    idle = total = 0.0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+                continue
+            values = [float(v) for v in fields[:8]]
+            idle += values[3] + values[4]          # idle + iowait
+            total += sum(values)
+    return idle, total
+
+
+def free_cores(sample_s: float = _SAMPLE_S) -> float | None:
+    """Cores of this process's affinity that sat idle over ``sample_s`` seconds (None
+    where /proc/stat cannot be read)."""
+    cpus = os.sched_getaffinity(0)
+    try:
+        idle0, total0 = _cpu_times(cpus)
+        time.sleep(sample_s)
+        idle1, total1 = _cpu_times(cpus)
+    except (OSError, ValueError):
+        return None
+    if total1 <= total0:
+        return None
+    return len(cpus) * (idle1 - idle0) / (total1 - total0)
+
+
+def _user_threads(torch_threads: int, num_cores: int) -> tuple[int | None, str | None]:
+    """(count, who chose it) when the user chose a thread count, else (None, None)."""
+    raw = os.environ.get(NUM_THREADS_ENV)
+    if raw is not None:
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"{NUM_THREADS_ENV}={raw!r} must be a positive integer")
+        return int(raw), NUM_THREADS_ENV
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch_threads, "OMP_NUM_THREADS"
+    if torch_threads != num_cores:
+        return torch_threads, "torch.set_num_threads"
+    return None, None
+
+
+def apply_thread_policy() -> int:
+    """Set torch's thread count for a CPU engine; returns it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if not policy_enabled():
+        return threads
+    num_cores = len(os.sched_getaffinity(0))
+    chosen, by = _user_threads(threads, num_cores)
+    if chosen is not None:
+        torch.set_num_threads(chosen)
+        logger.info("CPU threads: %d (%s)", chosen, by)
+        return chosen
+    free = free_cores()
+    threads = num_cores if free is None else max(1, min(num_cores, round(free)))
+    torch.set_num_threads(threads)
+    spin = ("GOMP_SPINCOUNT=" + DEFAULT_SPINCOUNT if _spin_set_by_rung else
+            "OpenMP's wait policy as set" if any(k in os.environ for k in _WAIT_ENVS) else
+            "OpenMP's default spin (torch was imported before rung)")
+    logger.info("CPU threads: %d of %d cores (%s free at start-up; %s=N or "
+                "%s=off overrides), %s", threads, num_cores,
+                "?" if free is None else f"{free:.1f}", NUM_THREADS_ENV, POLICY_ENV, spin)
+    return threads

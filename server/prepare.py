@@ -1,0 +1,188 @@
+"""Request preparation, off the event loop: a body's bytes -> the engine prompts and the
+``SamplingParams`` to submit.
+
+Everything whose cost grows with a request runs here, in a worker thread of `Preparer`'s
+pool, never on the event loop: JSON parsing and validation, the operator limits, the chat
+template (a request's own one in a sandbox process, under a deadline) and tokenizing. The
+engine owner only receives prompts already tokenized and checked against
+``max_model_len``; detokenizing
+happens in the engine's own step, also beside the loop. NOTE: this is the part that moves
+beside the engine when the engine gets a process of its own: its inputs are bytes, its
+outputs plain data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+from typing import Any
+
+import pydantic_core
+from pydantic import BaseModel, ValidationError
+
+from rung.runtime import SamplingParams, apply_chat_template, context_overflow
+from rung.server import limits as limits_mod
+from rung.server.limits import ServerLimits
+from rung.server.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_messages,
+    completion_prompts,
+    sampling_params,
+)
+from rung.server.streaming import HTTPError
+from rung.server.template_sandbox import TemplateRenderer, TemplateTimeout
+
+
+@dataclasses.dataclass
+class Prepared:
+    req: Any                          # CompletionRequest | ChatCompletionRequest
+    prompts: list[dict]               # {"prompt", "prompt_token_ids"} each
+    params: SamplingParams
+    num_top: int = 0                  # chat: top_logprobs per token
+
+
+class Preparer:
+    """Parses, checks, templates and tokenizes requests in a small thread pool."""
+
+    def __init__(self, engine: Any, model_name: str, chat_template: str | None,
+                 limits: ServerLimits, num_workers: int = 2) -> None:
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.model_path = engine.config.model
+        self.model_name = model_name
+        self.chat_template = chat_template
+        self.limits = limits
+        self.pool = concurrent.futures.ThreadPoolExecutor(num_workers,
+                                                          thread_name_prefix="rung-prepare")
+        # NOTE: requests with their own template wait here, one at a time (the renderer
+        # is one child), so they never hold the workers every other request needs
+        self.template_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="rung-template")
+        self.renderer = TemplateRenderer(limits.chat_template_timeout_s)
+
+    async def completion(self, body: bytes) -> Prepared:
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, self._completion, body)
+
+    async def chat(self, body: bytes) -> Prepared:
+        loop = asyncio.get_running_loop()
+        req = await loop.run_in_executor(self.pool, self._parse_chat, body)
+        executor = self.pool if req.chat_template is None else self.template_pool
+        return await loop.run_in_executor(executor, self._chat, req)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.template_pool.shutdown(wait=False, cancel_futures=True)
+        self.renderer.close()
+
+    # --- worker threads ---------------------------------------------------------------------
+    def _completion(self, body: bytes) -> Prepared:
+        req = _parse(CompletionRequest, body, self.limits)
+        self._check(req)
+        prompts = [self._tokenize(p, "prompt") for p in completion_prompts(req)]
+        params = sampling_params(req, req.max_tokens, req.logprobs)
+        self._check_length(prompts, params, "prompt")
+        return Prepared(req, prompts, params)
+
+    def _parse_chat(self, body: bytes) -> ChatCompletionRequest:
+        req = _parse(ChatCompletionRequest, body, self.limits)
+        self._check(req)
+        return req
+
+    def _chat(self, req: ChatCompletionRequest) -> Prepared:
+        messages = chat_messages(req)
+        try:
+            if req.chat_template is not None:
+                prompt = self._render_request_template(req.chat_template, messages,
+                                                       req.add_generation_prompt)
+            else:
+                prompt = apply_chat_template(self.tokenizer, messages, self.chat_template,
+                                             req.add_generation_prompt, self.model_path)
+        except TemplateTimeout:
+            raise BadRequest(f"chat_template did not render within "
+                             f"{self.limits.chat_template_timeout_s} s "
+                             "(--chat-template-timeout)", "chat_template") from None
+        except BadRequest:
+            raise
+        except Exception as e:      # noqa: BLE001 - a template's own error is the client's
+            field = "chat_template" if req.chat_template is not None else "messages"
+            raise BadRequest(f"chat template failed: {type(e).__name__}: {e}", field) from None
+        if req.max_completion_tokens is not None:
+            max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, field = req.max_tokens, "max_tokens"
+        num_top = req.top_logprobs or 0
+        try:
+            params = sampling_params(req, max_tokens, num_top if req.logprobs else None)
+        except BadRequest as e:
+            if e.param == "max_tokens":
+                e.param = field
+            raise
+        self._check_length([prompt], params, "messages")
+        return Prepared(req, [prompt], params, num_top)
+
+    def _render_request_template(self, template: str, messages: list[dict],
+                                 add_generation_prompt: bool) -> dict:
+        """A client's template renders in the sandbox process (rung.server.
+        template_sandbox); the server's own renders here, as LLM.chat does."""
+        tok = self.tokenizer
+        if tok is None:
+            raise BadRequest(f"model {self.model_path!r} has no tokenizer to apply a chat "
+                             "template with", "messages")
+        text = self.renderer.render(template, messages, add_generation_prompt,
+                                    tok.id_to_token(tok.bos_token_id),
+                                    tok.id_to_token(tok.eos_token_id))
+        # NOTE: as apply_chat_template: the template writes the special tokens it wants
+        return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+
+    def _check(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise HTTPError(404, f"The model `{req.model}` does not exist; this server "
+                            f"serves `{self.model_name}`", "model")
+        limits_mod.check(req, self.limits)
+
+    def _tokenize(self, prompt: str | dict, field: str) -> dict:
+        """``{"prompt", "prompt_token_ids"}``, so usage and the length check are known
+        before the engine sees the request (it tokenizes text the same way)."""
+        if isinstance(prompt, dict):
+            return prompt
+        if not prompt:
+            raise BadRequest(f"{field} is empty: it must hold at least 1 token", field)
+        if self.tokenizer is None:
+            raise BadRequest(f"model {self.model_path!r} has no tokenizer: send token ids",
+                             field)
+        return {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
+
+    def _check_length(self, prompts: list[dict], params: SamplingParams, field: str) -> None:
+        for p in prompts:
+            num = len(p["prompt_token_ids"])
+            if num > self.max_model_len:
+                raise BadRequest(f"{field} has {num} tokens, longer than max_model_len="
+                                 f"{self.max_model_len}", field)
+            overflow = context_overflow(num, params.max_tokens, self.max_model_len)
+            if overflow is not None:
+                raise BadRequest(overflow, "max_tokens")
+
+
+def _parse(model: type[BaseModel], body: bytes, limits: ServerLimits) -> Any:
+    """The validated request, or a 400 naming the first bad field (malformed JSON and
+    lone surrogates included: the JSON parser refuses both). NOTE: parsed first and
+    validated after the list limits: validating JSON directly into the prompt's union
+    type is much slower, and a list's cost is only bounded once its length is checked."""
+    try:
+        data = pydantic_core.from_json(body)
+    except ValueError as e:
+        raise BadRequest(f"malformed JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise BadRequest(f"the body must be a JSON object, not {type(data).__name__}")
+    limits_mod.check_sizes(data, limits)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in err.get("loc", ())]
+        raise BadRequest(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}",
+                         loc[0] if loc else None) from None

@@ -1,0 +1,92 @@
+"""The CPU thread policy: OpenMP's spin set before torch loads, and torch's threads from the
+cores free at start-up unless the user chose (rung.runtime.thread_policy). Its tok/s on a
+busy machine: ``python -m rung.bench.thread_policy`` (docs/performance.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rung.runtime import thread_policy
+
+
+def _fresh(code: str, **env: str) -> dict:
+    """Run ``code`` in a fresh interpreter (OpenMP not loaded yet); its last line is JSON."""
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS",
+                          "RUNG_NUM_THREADS", "RUNG_THREAD_POLICY")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={**clean, **env}, cwd="/")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+_SPIN = ("import json, os; {imports}; "
+         "print(json.dumps(os.environ.get('GOMP_SPINCOUNT')))")
+
+
+def test_spin_is_set_before_torch_loads_and_only_then():
+    assert _fresh(_SPIN.format(imports="import rung")) == thread_policy.DEFAULT_SPINCOUNT
+    # the package's import is the mechanism: `import rung.runtime` runs it first too
+    assert _fresh(_SPIN.format(imports="from rung.runtime import LLM")) \
+        == thread_policy.DEFAULT_SPINCOUNT
+    # torch first: libgomp read its environment already, so rung sets nothing
+    assert _fresh(_SPIN.format(imports="import torch; import rung")) is None
+    # the user's own policy, or the switch, wins
+    assert _fresh(_SPIN.format(imports="import rung"), OMP_WAIT_POLICY="ACTIVE") is None
+    assert _fresh(_SPIN.format(imports="import rung"), GOMP_SPINCOUNT="7") == "7"
+    assert _fresh(_SPIN.format(imports="import rung"), RUNG_THREAD_POLICY="off") is None
+
+
+_THREADS = """
+import json, os, rung, torch
+from rung.runtime import thread_policy as tp
+cores = len(os.sched_getaffinity(0))
+seen = {}
+for name, free, env in [("busy", 0.3, {}), ("quiet", float(cores), {}),
+                        ("half", cores / 2, {}), ("chosen", 0.3, {"RUNG_NUM_THREADS": "2"}),
+                        ("omp", float(cores), {"OMP_NUM_THREADS": "1"}),
+                        ("off", 0.3, {"RUNG_THREAD_POLICY": "off"})]:
+    torch.set_num_threads(cores)    # torch's own default: no application choice
+    tp.free_cores = lambda: free
+    os.environ.update(env)
+    if name == "omp":
+        torch.set_num_threads(1)    # what OMP_NUM_THREADS=1 at start-up gives
+    tp.apply_thread_policy()
+    seen[name] = torch.get_num_threads()
+    for key in env:
+        del os.environ[key]
+print(json.dumps([seen, cores]))
+"""
+
+
+def test_threads_follow_the_free_cores_unless_the_user_chose():
+    seen, cores = _fresh(_THREADS)
+    assert seen["busy"] == 1              # every core busy: one thread, never zero
+    assert seen["quiet"] == cores
+    assert seen["half"] == max(1, round(cores / 2))
+    assert seen["chosen"] == 2            # RUNG_NUM_THREADS, whatever is free
+    assert seen["omp"] == 1
+    assert seen["off"] == cores
+
+
+def test_an_application_thread_count_is_left_alone(monkeypatch, caplog):
+    import torch
+
+    monkeypatch.setattr(thread_policy, "free_cores", lambda: 0.0)
+    threads = torch.get_num_threads()       # the suite's 1 (conftest): the application's
+    with caplog.at_level("INFO", logger="rung.runtime.thread_policy"):
+        assert thread_policy.apply_thread_policy() == threads
+    assert torch.get_num_threads() == threads
+    monkeypatch.setenv("RUNG_NUM_THREADS", "two")
+    with pytest.raises(ValueError, match="RUNG_NUM_THREADS='two' must be a positive integer"):
+        thread_policy.apply_thread_policy()
+
+
+def test_free_cores_measures_this_machine():
+    free = thread_policy.free_cores(0.05)
+    assert free is not None and 0 <= free <= len(os.sched_getaffinity(0)) + 1e-6
