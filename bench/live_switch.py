@@ -4,12 +4,14 @@
 
 ``LLM(...)`` with ``graph_startup="background"`` serves eagerly from its first step while
 the builder makes one graph live per step, on the serving thread between steps (on CUDA
-this is where a size is captured; on CPU where a compiled artifact is bound and checked).
+this is where a size is captured; on CPU a worker thread loads, binds and checks each
+graph meanwhile, and the step only swaps it in).
 This harness keeps ``--num-reqs`` greedy requests decoding until every graph is live, times
 every ``LLMEngine.step()`` (device synchronised), and prints:
 - each step in which a graph went live: its time, and which sizes;
-- the median eager step and the median graph step around it, and the worst stall (a step
-  that made a graph live, less the median eager step);
+- the median eager step and the median graph step around it, the worst stall (a step
+  that made a graph live, less the median eager step), and the worst decode step of the
+  switch-over (every step up to the last one a graph went live in);
 - whether every request's tokens equal an ``enforce_eager`` engine's on the same prompts.
 
 Exit status 1 when the tokens differ or a graph did not go live within ``--timeout``.
@@ -88,11 +90,17 @@ def _summary(steps: list[dict]) -> dict:
     graph = [s["ms"] for s in decode if not s["ran"].startswith("NONE")]
     switches = [s for s in steps if s["went_live"]]
     eager_ms = statistics.median(eager) if eager else None
+    # the switch-over: every decode step up to the one the last graph went live in (a
+    # graph built off the serving thread takes cycles from the steps it overlaps too)
+    last = steps.index(switches[-1]) if switches else -1
+    over = [s["ms"] for s in steps[:last + 1] if s["ran"] != "-"
+            and s is not _first_of_wave(steps, s)]
     return {"eager_step_ms_p50": eager_ms,
             "graph_step_ms_p50": statistics.median(graph) if graph else None,
             "switch_steps": [{"ms": s["ms"], "went_live": s["went_live"]} for s in switches],
             "worst_stall_ms": (max(s["ms"] for s in switches) - eager_ms
-                               if switches and eager_ms is not None else None)}
+                               if switches and eager_ms is not None else None),
+            "worst_switchover_step_ms": max(over) if over else None}
 
 
 def _ms(value: float | None) -> str:
@@ -130,11 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     report = {"model": args.model, "device": str(llm.engine.runner.device),
               "waves": len(got), "steps": len(steps), "live": graphs["live"],
               "pending": graphs["pending"], "tokens_match_eager": same,
-              **_summary(steps)}
+              **_summary(steps),
+              "step_log": [[round(s["ms"], 2), s["ran"], s["went_live"]] for s in steps]}
     for s in report["switch_steps"]:
         print(f"step {s['ms']:9.1f} ms  went live: {', '.join(s['went_live'])}")
-    print("eager step p50 {}, graph step p50 {}, worst stall {}".format(
-        *(_ms(report[k]) for k in ("eager_step_ms_p50", "graph_step_ms_p50", "worst_stall_ms"))))
+    print("eager step p50 {}, graph step p50 {}, worst stall {}, worst decode step of the "
+          "switch-over {}".format(*(_ms(report[k]) for k in (
+              "eager_step_ms_p50", "graph_step_ms_p50", "worst_stall_ms",
+              "worst_switchover_step_ms"))))
     print(f"{len(graphs['live'])} graphs live, {len(graphs['pending'])} pending; tokens "
           f"{'match' if report['tokens_match_eager'] else 'DIFFER from'} enforce_eager "
           f"over {len(got)} waves of {args.num_reqs} requests")

@@ -110,6 +110,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _unbuilt_graphs_note(llm: Any, args: argparse.Namespace) -> str:
+    """What becomes of the graphs this one-shot run did not bring live: a compile still
+    running goes on after it exits (low priority, one per cache), else `rung warmup`."""
+    pid = llm.engine.detach_graph_compile()
+    if pid is not None:
+        return (f"their compile goes on in the background (pid {pid}, low priority) and "
+                "the next run starts on graphs")
+    return f"`rung warmup --model {args.model}` builds them all before a run"
+
+
 def _print_partial_outputs(llm: Any) -> None:
     """Ctrl-C: the text every unfinished request had so far, before the command exits."""
     tokenizer = llm.get_tokenizer()
@@ -159,7 +169,8 @@ def generate_report(rank: int | None, args: argparse.Namespace) -> str:
     if graphs["pending"]:
         lines.append(f"graphs live: {len(graphs['live'])} of "
                      f"{len(graphs['live']) + len(graphs['pending'])} (the others were still "
-                     f"building; {stats['eager_steps']} steps ran eagerly)")
+                     f"building; {stats['eager_steps']} steps ran eagerly); "
+                     + _unbuilt_graphs_note(llm, args))
     spec = stats.get("spec")
     if spec:
         lines.append(f"speculative: acceptance rate {spec['acceptance_rate']:.2f}, "

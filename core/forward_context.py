@@ -1,9 +1,14 @@
-"""The one scoped global: what attention ops read inside a compiled forward."""
+"""The one scoped global: what attention ops read inside a compiled forward.
+
+NOTE: one per thread: a graph is built and checked against eager on a worker thread
+while the serving thread runs steps, each forward in its own context.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,24 +30,29 @@ class ForwardContext:
     commons: list[Any] = dataclasses.field(default_factory=list)
 
 
-_current: ForwardContext | None = None
+class _Current(threading.local):
+    ctx: ForwardContext | None = None
+
+
+_current = _Current()
 
 
 @contextlib.contextmanager
 def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
-    global _current
-    prev, _current = _current, ctx
+    prev, _current.ctx = _current.ctx, ctx
     try:
         yield ctx
     finally:
-        _current = prev
+        _current.ctx = prev
 
 
 def get_forward_context() -> ForwardContext:
-    if _current is None:
+    ctx = _current.ctx
+    if ctx is None:
         raise ContractError("attention called outside `with forward_context(...)`")
-    return _current
+    return ctx
 
 
 def current_descriptor() -> BatchExecutionDescriptor | None:
-    return None if _current is None else _current.desc
+    ctx = _current.ctx
+    return None if ctx is None else ctx.desc

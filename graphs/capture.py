@@ -89,6 +89,10 @@ class EmulatedGraph(CapturedGraph):
         self.fn = fn
         self.poison = poison
 
+    def rebind(self, inputs: Sequence[torch.Tensor]) -> "EmulatedGraph":
+        """This graph replayed on ``inputs`` (same shapes) instead of its capture's."""
+        return EmulatedGraph(self.fn, inputs, self.outputs, self.nbytes, self.poison)
+
     def replay(self, inputs):
         self.check_inputs(inputs)
         if self.poison is not None:

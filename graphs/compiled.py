@@ -249,6 +249,7 @@ class CompiledGraphBackend(EmulatedGraphBackend):
         if known is not None:
             graph = self._bind(key, *known, fn, inputs, named)
             if graph is not None:
+                self.artifacts[key] = known
                 graph.load_s = time.perf_counter() - start
                 return graph
         traced = trace_forward(fn, inputs, named, dynamic)
@@ -332,6 +333,22 @@ class CompiledGraphBackend(EmulatedGraphBackend):
         self.direct_calls.pop(key, None)
         if self.cache is not None:
             self.cache.discard(key)
+
+    def rebind(self, graph: CompiledGraph, inputs: Sequence,
+               named: dict[str, torch.Tensor]) -> CompiledGraph:
+        """``graph`` (checked) bound to ``inputs`` / ``named`` of the same shapes instead of
+        its capture's; runs nothing. The caller has entered the forward context of
+        ``inputs`` (it locates the block tables)."""
+        if graph.artifact_key not in self.artifacts:
+            raise RuntimeError(f"compiled graph {graph.artifact_key} is not named: it cannot "
+                               "be bound to other input buffers")
+        artifact, names = self.artifacts[graph.artifact_key]
+        graph_inputs, sizes = bind_inputs(names, named)
+        bound = CompiledGraph(artifact, inputs, graph_inputs, sizes, graph.compile_s,
+                              graph.load_s, self.poison_hook)
+        bound.outputs, bound.nbytes = graph.outputs, graph.nbytes
+        bound.artifact_key = graph.artifact_key
+        return bound
 
     def _bind(self, key: str, artifact: Any, names: list[str], fn: Callable[..., torch.Tensor],
               inputs: Sequence, named: dict[str, torch.Tensor]) -> CompiledGraph | None:

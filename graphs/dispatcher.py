@@ -46,6 +46,9 @@ class Dispatcher:
         # first handed out, then handed out again: at most one per (num_reqs, query len)
         # within the ladder (times the DP sizes seen); cleared whenever the table changes
         self._handed: dict[tuple, BatchExecutionDescriptor] = {}
+        # (uniform decode?, padded size) of the last batch that ran eagerly for want of a
+        # graph the mode has for its slot (not live yet): GraphBuilder builds that one next
+        self.missed: tuple[bool, int] | None = None
 
     def go_live(self, key: BatchExecutionDescriptor) -> None:
         """Batches of ``key``'s size replay its graph from the next dispatch on."""
@@ -87,8 +90,11 @@ class Dispatcher:
             size = self.sizes[i] if i < len(self.sizes) else None
         else:
             size = max(num_tokens_across_dp)
-        key = self._table.get((uniform_query_len == self.decode_query_len, size))
+        uniform = uniform_query_len == self.decode_query_len
+        key = self._table.get((uniform, size))
         if key is None:
+            if size is not None and self.runtime_mode(uniform_query_len) != CUDAGraphMode.NONE:
+                self.missed = (uniform, size)
             return BatchExecutionDescriptor.eager(num_reqs, num_tokens, uniform_query_len,
                                                   num_tokens_across_dp)
         rows = num_reqs if key.mode == CUDAGraphMode.PIECEWISE else key.num_reqs_padded

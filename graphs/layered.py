@@ -33,7 +33,7 @@ from rung.graphs.artifact_cache import bind_inputs
 from rung.graphs.capture import CapturedGraph, ForwardOutput, memory_identity
 from rung.graphs.compiled import MIN_DYNAMIC_SIZE, CompiledGraphBackend
 from rung.graphs.direct_call import DirectCall, PlainSizes, from_handles, to_handles
-from rung.graphs.layer_artifacts import DecoderParts, layer_specs
+from rung.graphs.layer_artifacts import DecoderParts, layer_specs, layer_tensors
 from rung.kernels.attention import Attention
 
 logger = logging.getLogger(__name__)
@@ -42,10 +42,12 @@ logger = logging.getLogger(__name__)
 class _LayerCall:
     """One layer's artifact and its argument list, filled in place at each replay."""
 
-    __slots__ = ("run", "entry", "size_of", "args", "hidden_at", "rows_at", "tables", "sizes")
+    __slots__ = ("run", "entry", "size_of", "args", "hidden_at", "rows_at", "tables", "sizes",
+                 "source")
 
     def __init__(self, artifact: Callable[..., Any], direct: DirectCall | None,
                  names: list[str], named: dict, tables: list[torch.Tensor]) -> None:
+        self.source = (artifact, direct, names)      # what ``rebound`` binds again
         # NOTE: both take a copy of the argument list (the direct call empties it)
         self.run = (direct.call if direct is not None
                     else functools.partial(_call_unpacked, artifact))
@@ -60,6 +62,10 @@ class _LayerCall:
                             enumerate(self.args) if isinstance(a, torch.Tensor)
                             and memory_identity(a) in table_ids)
         self.sizes = tuple((i, src, dim) for i, (src, dim) in sizes.items())
+
+    def rebound(self, named: dict, tables: list[torch.Tensor]) -> "_LayerCall":
+        """The same artifact called on ``named``'s tensors (same names and shapes)."""
+        return _LayerCall(*self.source, named, tables)
 
 
 def _call_unpacked(artifact: Callable[..., Any], args: list) -> Any:
@@ -85,6 +91,8 @@ class LayeredGraph(CapturedGraph):
         self.compile_s: float | None = None
         self.load_s: float | None = None
         self.artifact_key: str | None = None     # "+"-joined keys of its artifacts
+        # (graph key, symbolic batch) its artifacts were bound with (``rebind_layers``)
+        self.bound_as: tuple[dict[str, Any], bool] | None = None
 
     def forward(self, inputs: Sequence[torch.Tensor], rows: torch.Tensor) -> ForwardOutput:
         if self.poison is not None:     # debug mode: the identity check, then garbage
@@ -137,7 +145,9 @@ class LayeredGraph(CapturedGraph):
 
 def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor],
                    parts: DecoderParts, ctx: ForwardContext,
-                   graph_key: dict[str, Any], symbolic: bool) -> LayeredGraph | None:
+                   graph_key: dict[str, Any], symbolic: bool,
+                   off_thread: bool = False,
+                   pause: Callable[[], None] | None = None) -> LayeredGraph | None:
     """The FULL graph of the model's forward on ``inputs`` (ids, positions; in ``ctx``)
     from per-layer artifacts, each compiled once per kind or loaded from the disk cache.
 
@@ -146,6 +156,10 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
     and lm head, fed the eager last hidden states (``_check_epilogues``). Loaded artifacts
     that do not are dropped and compiled again (once); None when freshly compiled ones do
     not either (e.g. a size the symbolic trace specialised).
+
+    ``off_thread``: built while the serving thread runs steps; the check then leaves the
+    process's torch thread count alone (another thread's matmuls read it) and runs its
+    eager layers on this thread, after each artifact, then calls ``pause`` (if given).
     """
     start = time.perf_counter()
     with torch.no_grad():
@@ -157,10 +171,10 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
             # NOTE: eager beside the artifacts only where these run on one thread: an
             # artifact generated for more waits at each parallel loop's barrier for a core
             # the eager thread holds (SmolLM2 at 2 threads: ~10x the layer's time)
-            overlap = backend.threads == 1
+            overlap = backend.threads == 1 and not off_thread
             with _one_thread() if overlap else contextlib.nullcontext():
                 with _Teacher(parts, inputs[0], inputs[1], _eager_context(ctx),
-                              mismatches, overlap) as teacher:
+                              mismatches, overlap, pause) as teacher:
                     graph.outputs = graph._run(inputs[0][:0], teacher).hidden
                 _check_epilogues(graph, parts, teacher.last(), mismatches)
             ok = not mismatches
@@ -172,6 +186,7 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
             compiled = graph.compile_s is not None
             graph.compile_s, graph.load_s = (seconds, None) if compiled else (None, seconds)
             graph.nbytes = graph.outputs.numel() * graph.outputs.element_size()
+            graph.bound_as = (graph_key, symbolic)
             return graph
         logger.warning("per-layer graph of %d tokens %s", inputs[0].shape[0],
                        why.splitlines()[0])
@@ -180,6 +195,31 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
         for key in loaded:
             backend.forget(key)
     return None
+
+
+def rebind_layers(graph: LayeredGraph, inputs: Sequence[torch.Tensor],
+                  ctx: ForwardContext) -> LayeredGraph:
+    """``graph`` (checked on its capture batch) bound to ``inputs`` (ids, positions, ...;
+    in ``ctx``) of the same shapes: the same artifacts, each layer's arguments taken from
+    these buffers (the epilogues read no input buffer: shared). Runs no layer, loads,
+    compiles and hashes nothing."""
+    parts = graph.parts
+    metas = [ctx.attn_metadata[a.layer_name].common for a in _attention_modules(parts.layers)]
+    tables = list({memory_identity(m.block_table): (m.block_table, m.block_size)
+                   for m in metas}.values())
+    if [t.shape for t, _ in tables] != [t.shape for t, _ in graph.tables]:
+        raise RuntimeError("rebinding a per-layer graph to block tables of other shapes")
+    bound = LayeredGraph(inputs, parts, metas[0].seq_lens, tables, graph.poison)
+    hidden = graph.outputs                                              # [T, H]
+    with torch.no_grad():
+        for layer, call in zip(parts.layers, graph.calls):
+            named = layer_tensors(layer, ctx, hidden, inputs[1], parts.rotaries[layer.layer_type])
+            bound.calls.append(call.rebound(named, [t for t, _ in tables]))
+    bound.epilogues = graph.epilogues
+    bound.outputs, bound.nbytes = graph.outputs, graph.nbytes
+    bound.compile_s, bound.load_s = graph.compile_s, graph.load_s
+    bound.artifact_key, bound.bound_as = graph.artifact_key, graph.bound_as
+    return bound
 
 
 class _Teacher:
@@ -204,9 +244,10 @@ class _Teacher:
     """
 
     def __init__(self, parts: DecoderParts, ids: torch.Tensor, positions: torch.Tensor,
-                 ctx: ForwardContext, mismatches: list[str], overlap: bool = True) -> None:
+                 ctx: ForwardContext, mismatches: list[str], overlap: bool = True,
+                 pause: Callable[[], None] | None = None) -> None:
         self.parts, self.ids, self.positions, self.ctx = parts, ids, positions, ctx
-        self.mismatches, self.overlap = mismatches, overlap
+        self.mismatches, self.overlap, self.pause = mismatches, overlap, pause
         num_layers = len(parts.layers)
         self._expected: list[torch.Tensor | None] = [None] * num_layers
         self._eager_done = [threading.Event() for _ in range(num_layers)]
@@ -248,6 +289,8 @@ class _Teacher:
         if not torch.allclose(out, expected, rtol=1e-3, atol=1e-4):
             err = float((out - expected).abs().max())
             self.mismatches.append(f"layer {n}: max |difference| {err:.3g}")
+        if self.pause is not None:
+            self.pause()
         return expected
 
     def last(self) -> torch.Tensor:

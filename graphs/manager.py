@@ -1,4 +1,10 @@
-"""GraphManager: dispatch, capture every graph on the ladder, replay the right one."""
+"""GraphManager: dispatch, capture every graph on the ladder, replay the right one.
+
+A FULL CPU graph (compiled or emulated) can also be built off the serving thread
+(``build``: loaded or compiled, checked against eager on a scratch capture batch, then
+bound to the serving input buffers), and swapped into the dispatch table between two
+steps (``go_live``).
+"""
 
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from rung.graphs.backends import (
 from rung.graphs.capture import CapturedGraph, CudaGraphBackend, ForwardOutput, Outputs
 from rung.graphs.compiled import (
     MIN_DYNAMIC_SIZE,
+    CompiledGraph,
     CompiledGraphBackend,
     compile_key,
     symbolic_dims,
@@ -35,7 +42,7 @@ from rung.graphs.compiled_draft import DraftRounds, capture_compiled_draft
 from rung.graphs.compiler import compile_model
 from rung.graphs.dispatcher import Dispatcher, downgrade
 from rung.graphs.layer_artifacts import build_layer_artifacts, layer_specs
-from rung.graphs.layered import capture_layers
+from rung.graphs.layered import LayeredGraph, capture_layers, rebind_layers
 from rung.kernels.backend import AttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -54,9 +61,15 @@ class GraphRunner(Protocol):
     device: torch.device
     max_num_reqs: int
 
-    def dummy_batch(self, desc: BatchExecutionDescriptor
+    def dummy_batch(self, desc: BatchExecutionDescriptor, scratch: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
-        """Inputs of a capture batch of ``desc``: every row a pad."""
+        """Inputs of a capture batch of ``desc``: every row a pad; ``scratch``: in input
+        buffers no step reads or writes."""
+
+    def input_views(self, desc: BatchExecutionDescriptor
+                    ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        """The serving input buffers as a FULL step of ``desc`` hands them to its graph,
+        made without writing them."""
 
     def poison_pads(self, desc: BatchExecutionDescriptor, generator: torch.Generator) -> None:
         """Garbage into the pad rows of the target's input buffers."""
@@ -74,6 +87,16 @@ class CaptureRecord:
     compile_s: float | None = None   # compiled CPU graphs: trace + compile seconds
     load_s: float | None = None      # compiled CPU graphs: seconds to bind a built artifact
     artifact: str | None = None      # compiled CPU graphs: key of the artifact (sizes share)
+
+
+@dataclasses.dataclass
+class ReadyGraph:
+    """A FULL graph built and checked off the serving thread (``GraphManager.build``),
+    bound to the serving input buffers: going live is a swap (``GraphManager.go_live``)."""
+
+    key: BatchExecutionDescriptor     # its graph key (capture descriptor)
+    graph: CapturedGraph
+    record: CaptureRecord
 
 
 class GraphManager:
@@ -143,6 +166,61 @@ class GraphManager:
             if progress is not None:
                 progress(record)
 
+    @property
+    def builds_off_thread(self) -> bool:
+        """Whether FULL graphs may be built on a worker thread while steps run (``build``):
+        CPU graphs, compiled or emulated, of a mode without PIECEWISE pieces (their
+        torch.compile wrapper traces the model at its first call). A CUDA capture stays
+        on the serving thread, ordered with the serving stream."""
+        return self.compiled is None and not isinstance(self.capture_backend,
+                                                        CudaGraphBackend)
+
+    def build(self, key: BatchExecutionDescriptor,
+              pause: Callable[[], None] | None = None) -> ReadyGraph:
+        """The FULL graph of ``key``: loaded (or compiled) and checked against eager on a
+        scratch capture batch of its own, then bound to the serving input buffers.
+
+        NOTE: it writes no tensor a step reads or writes: its input buffers are the
+        runner's scratch batch; weights are read-only; a capture batch is all pads (seq_len
+        0, PAD_SLOT_ID slots), so its attention reads no KV entry and writes none a request
+        owns; the forward context is per thread. So it runs on a worker thread while steps
+        run, and a check that fails leaves nothing live. ``pause``: called between the
+        layers of a per-layer graph's check (the builder's throttle)."""
+        if key.mode != CUDAGraphMode.FULL or not self.builds_off_thread:
+            raise ValueError(f"build({key.mode.name} key) with {self.capture_backend.name} "
+                             "graphs: only FULL CPU graphs are built off the serving thread")
+        start = time.perf_counter()
+        compile_s = load_s = artifact = None
+        with torch.inference_mode():
+            ids, positions, ctx = self.runner.dummy_batch(key, scratch=True)
+            with forward_context(ctx):
+                graph = self._full_graph(key, ctx, self._full_inputs(ids, positions, ctx),
+                                         scratch=True, pause=pause)
+            ids, positions, ctx = self.runner.input_views(key)
+            inputs = self._full_inputs(ids, positions, ctx)
+            with forward_context(ctx):
+                if isinstance(graph, LayeredGraph):
+                    graph = rebind_layers(graph, inputs, ctx)
+                elif isinstance(graph, CompiledGraph):
+                    graph = self.capture_backend.rebind(graph, inputs,
+                                                        self._named_tensors(inputs))
+                else:
+                    graph = graph.rebind(inputs)
+        if isinstance(graph, (LayeredGraph, CompiledGraph)):
+            compile_s, load_s, artifact = graph.compile_s, graph.load_s, graph.artifact_key
+        record = CaptureRecord(key.mode.name, key.num_tokens_padded, key.num_reqs_padded,
+                               time.perf_counter() - start, graph.nbytes,
+                               graph.num_kernel_nodes, compile_s=compile_s, load_s=load_s,
+                               artifact=artifact)
+        return ReadyGraph(key, graph, record)
+
+    def go_live(self, ready: ReadyGraph) -> None:
+        """Batches of ``ready.key``'s size replay its graph from the next dispatch on: a
+        swap into the dispatch table (the serving thread, between steps)."""
+        self.full_graphs[(TARGET, ready.key)] = ready.graph
+        self.records.append(ready.record)
+        self.dispatcher.go_live(ready.key)
+
     def capture(self, key: BatchExecutionDescriptor) -> CaptureRecord:
         """Capture (or compile, or load) the graph of ``key`` and make it live; on the
         serving thread, between steps (it writes the runner's input buffers)."""
@@ -179,7 +257,8 @@ class GraphManager:
         parts = self._decoder_parts()
         if parts is None:
             return (self._compiled_spec(desc)[-1],)
-        ids, positions, ctx = self.runner.dummy_batch(desc)
+        # NOTE: on the scratch batch: a worker thread asks while steps run
+        ids, positions, ctx = self.runner.dummy_batch(desc, scratch=True)
         symbolic = self.symbolic_batch and (self._symbolic(desc)
                                             or self.runner.max_num_reqs >= MIN_DYNAMIC_SIZE)
         with torch.no_grad():
@@ -202,13 +281,10 @@ class GraphManager:
                     self.capturing = False
                 nbytes, nodes = self._piece_bytes, self._piece_nodes
             else:
-                inputs = self._full_inputs(ids, positions, ctx)
+                graph = self._full_graph(desc, ctx, self._full_inputs(ids, positions, ctx))
                 if isinstance(self.capture_backend, CompiledGraphBackend):
-                    graph = self._capture_compiled(desc, ctx, inputs)
                     compiled_s, load_s = graph.compile_s, graph.load_s
                     artifact = graph.artifact_key
-                else:
-                    graph = self.capture_backend.capture(self._full_forward, inputs)
                 self.full_graphs[(TARGET, desc)] = graph
                 nbytes, nodes = graph.nbytes, graph.num_kernel_nodes
         if self._traced_at is not None:
@@ -220,17 +296,28 @@ class GraphManager:
                              time.perf_counter() - start, nbytes, nodes,
                              compile_s=compiled_s, load_s=load_s, artifact=artifact)
 
+    def _full_graph(self, desc: BatchExecutionDescriptor, ctx: ForwardContext,
+                    inputs: list[torch.Tensor], scratch: bool = False,
+                    pause: Callable[[], None] | None = None) -> CapturedGraph:
+        """The FULL graph of ``desc`` on ``inputs`` (in ``ctx``, entered); ``scratch``:
+        built off the serving thread (``build``, with its ``pause``)."""
+        if isinstance(self.capture_backend, CompiledGraphBackend):
+            return self._capture_compiled(desc, ctx, inputs, scratch, pause)
+        return self.capture_backend.capture(self._full_forward, inputs)
+
     def _capture_compiled(self, desc: BatchExecutionDescriptor, ctx: ForwardContext,
-                          inputs: list[torch.Tensor]) -> CapturedGraph:
+                          inputs: list[torch.Tensor], scratch: bool = False,
+                          pause: Callable[[], None] | None = None) -> CapturedGraph:
         parts = self._decoder_parts()
         if parts is None:
             return self.capture_backend.capture_model(
                 self._model_forward, inputs, *self._compiled_spec(desc, ctx, inputs))
-        built_s = 0.0 if self._symbolic(desc) else self._symbolic_from_two_rows(desc)
+        built_s = 0.0 if self._symbolic(desc) else self._symbolic_from_two_rows(desc, scratch)
         symbolic = built_s is not None
         for batch in dict.fromkeys((symbolic, False)):
             graph = capture_layers(self.capture_backend, inputs, parts,
-                                   ctx, compile_key(desc, ctx, batch), batch)
+                                   ctx, compile_key(desc, ctx, batch), batch,
+                                   off_thread=scratch, pause=pause)
             if graph is not None:
                 if built_s:            # compiled on two rows just now: this graph's cost
                     graph.compile_s = built_s + (graph.compile_s or graph.load_s or 0.0)
@@ -240,7 +327,8 @@ class GraphManager:
                            "reproduces eager; compilation_config={'per_layer_graphs': "
                            "False} compiles the whole forward instead")
 
-    def _symbolic_from_two_rows(self, desc: BatchExecutionDescriptor) -> float | None:
+    def _symbolic_from_two_rows(self, desc: BatchExecutionDescriptor,
+                                scratch: bool = False) -> float | None:
         """A one-row graph binds the symbolic per-layer artifacts (one compile for every
         size; before rope, norm and head joined the artifacts its replay cost 1.11x the
         whole forward's thread CPU time vs a static one's 1.04x, after it whole decode steps
@@ -254,12 +342,12 @@ class GraphManager:
             rows = dataclasses.replace(desc, num_reqs_padded=MIN_DYNAMIC_SIZE,
                                        num_tokens_padded=MIN_DYNAMIC_SIZE * desc.num_tokens_padded
                                        // desc.num_reqs_padded)
-            ids, positions, ctx = self.runner.dummy_batch(rows)
+            ids, positions, ctx = self.runner.dummy_batch(rows, scratch)
             with forward_context(ctx):
                 specs = layer_specs(self.capture_backend, self._decoder_parts(), ctx, ids,
                                     positions, compile_key(rows, ctx, True), True)
                 compile_s = build_layer_artifacts(self.capture_backend, specs)
-            self.runner.dummy_batch(desc)      # NOTE: back to the one-row batch's pads
+            self.runner.dummy_batch(desc, scratch)   # NOTE: back to the one-row batch's pads
         return compile_s
 
     def _decoder_parts(self) -> Any:
@@ -276,7 +364,7 @@ class GraphManager:
         """(named tensors, symbolic dims, graph key, artifact key) of the compiled graph of
         ``desc``; without ``ctx``, on a capture batch of its own."""
         if ctx is None:
-            ids, positions, ctx = self.runner.dummy_batch(desc)
+            ids, positions, ctx = self.runner.dummy_batch(desc, scratch=True)
             inputs = self._full_inputs(ids, positions, ctx)
         named = self._named_tensors(inputs)
         batch = self._symbolic(desc)

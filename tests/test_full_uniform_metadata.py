@@ -53,8 +53,8 @@ def test_decode_replays_read_query_len_one(monkeypatch):
     runner, seen = llm.engine.runner, []
     build = runner.build_metadata
 
-    def spy(desc, layout):
-        commons, per_layer = build(desc, layout)
+    def spy(desc, layout, *args):
+        commons, per_layer = build(desc, layout, *args)
         seen.append((desc.mode, {c.max_query_len for c in commons}))
         return commons, per_layer
 

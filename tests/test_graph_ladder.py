@@ -108,3 +108,20 @@ def test_a_size_replays_only_once_its_graph_is_live():
     assert d.dispatch(1, 2, None).mode == CUDAGraphMode.NONE    # mixed: PIECEWISE not live
     with pytest.raises(ValueError, match="not a graph key"):
         d.go_live(decode)                                      # real counts: not a key
+
+
+def test_a_batch_that_waits_for_its_graph_is_recorded_as_missed():
+    """The graph builder builds first the size batches run eagerly for want of: only a
+    slot the mode has a graph for counts (not mixed batches of a decode-only mode, nor
+    batches above the ladder)."""
+    d = Dispatcher(CUDAGraphMode.FULL_DECODE_ONLY, [1, 2, 4], max_num_reqs=4)
+    d.dispatch(3, 3, 1)
+    assert d.missed == (True, 4)
+    d.missed = None
+    d.dispatch(1, 3, None)                  # a prefill: decode-only graphs never serve it
+    d.dispatch(8, 8, 1)                     # above the ladder
+    assert d.missed is None
+    [full_4] = [k for k in d.capture_descriptors() if k.num_tokens_padded == 4]
+    d.go_live(full_4)
+    d.dispatch(3, 3, 1)                     # replays its graph now
+    assert d.missed is None

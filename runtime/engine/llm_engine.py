@@ -140,8 +140,14 @@ class LLMEngine:
         True while graphs are still pending."""
         if self.graph_startup is None:
             return False
-        self.graph_startup.advance()
+        self.graph_startup.advance(stepping=False)
         return not self.graph_startup.all_live
+
+    def detach_graph_compile(self) -> int | None:
+        """Let the background compile of this engine's graphs outlive it (a one-shot
+        command about to exit), so a later run starts on graphs: its pid, or None when
+        none is running."""
+        return None if self.graph_startup is None else self.graph_startup.detach_compile()
 
     def has_unfinished_requests(self) -> bool:
         """Requests still running or waiting, or outputs still to be returned by step()."""

@@ -172,15 +172,18 @@ class GraphStartup:
         # The first size missing one ends the look (a cold start pays one key, ~30 ms).
         if startup == "background" and getattr(graphs.capture_backend, "cache", None) is not None \
                 and not all(map(graphs.is_ready, graphs.dispatcher.capture_descriptors())):
-            prefetch = start_prefetch(config, max_model_len, graphs.capture_backend.threads)
-        self.builder = GraphBuilder(graphs, after, progress, prefetch)
+            prefetch = start_prefetch(config, max_model_len, graphs.capture_backend.threads,
+                                      graphs.capture_backend.cache.root)
+        self.builder = GraphBuilder(graphs, after, progress, prefetch,
+                                    off_thread=startup == "background")
         # NOTE: a plain flag, read before every step: once all is live, a step pays one
         # attribute read here, no call into the builder
         self.all_live = self.builder.done
         if startup == "background":
             logger.info("serving eagerly from the first step; %d graphs go live as they are "
                         "built (%s); llm.wait_for_graphs() waits for them", total,
-                        "compiling in a subprocess" if prefetch else "between steps")
+                        "compiling in a subprocess" if prefetch else "built off the "
+                        "serving thread" if self.builder.off_thread else "between steps")
             return
         start = time.perf_counter()
         self.wait()
@@ -194,10 +197,16 @@ class GraphStartup:
             self.bar.close()
         return done
 
-    def advance(self) -> None:
-        """Between two steps: at most one more graph goes live (see GraphBuilder)."""
+    def detach_compile(self) -> int | None:
+        """Let a running background compile outlive this process: its pid, or None."""
+        prefetch = self.builder.prefetch
+        return prefetch.detach() if prefetch is not None else None
+
+    def advance(self, stepping: bool = True) -> None:
+        """Between two steps (``stepping``: a step follows, else an idle engine's tick): at
+        most one more graph goes live (see GraphBuilder)."""
         if not self.all_live:
-            self.builder.advance()
+            self.builder.advance(stepping=stepping)
             if self.builder.done:
                 self.all_live = True
                 self.bar.close()

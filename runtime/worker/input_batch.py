@@ -274,6 +274,11 @@ class InputBatch(PaddedBatch):
         """A batch of no real request (graph capture)."""
         self.query_start_loc.np[0] = 0
         self._num_reqs = self._num_tokens = 0
+        return self.prepare_empty_layout()
+
+    @staticmethod
+    def prepare_empty_layout() -> BatchLayout:
+        """The layout of a batch of no real request, writing no buffer."""
         return BatchLayout(0, 0, None, 0, 0, np.zeros(0, np.int64), [])
 
     def _layout(self, sched: SchedulerOutput, counts: np.ndarray, qsl: np.ndarray) -> BatchLayout:

@@ -107,10 +107,9 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self._bind_kv_caches()
         max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-        self.input_batch = InputBatch(config.max_num_seqs, max_num_tokens,
-                                      math.ceil(max_model_len / config.block_size),
-                                      len(self.kv_groups), config.block_size, config.device,
-                                      decode_query_len=1 + config.num_spec_tokens)
+        self.input_batch = self._new_input_batch(max_num_tokens)
+        # a capture batch of its own for graphs built off the serving thread (dummy_batch)
+        self._scratch_batch: InputBatch | None = None
         self.sampler = Sampler()
         self.host_output = HostOutput(config.device)
         self.graphs: GraphManager | None = None      # see use_graphs; None runs eagerly
@@ -239,17 +238,28 @@ class ModelRunner:
         with forward_context(ctx):
             return ForwardOutput(self.model(ids, positions), None)
 
-    def model_inputs(self, desc: BatchExecutionDescriptor, layout: BatchLayout
+    def _new_input_batch(self, max_num_tokens: int) -> InputBatch:
+        config = self.config
+        return InputBatch(config.max_num_seqs, max_num_tokens,
+                          math.ceil(self.max_model_len / config.block_size),
+                          len(self.kv_groups), config.block_size, config.device,
+                          decode_query_len=1 + config.num_spec_tokens)
+
+    def model_inputs(self, desc: BatchExecutionDescriptor, layout: BatchLayout,
+                     batch: InputBatch | None = None, check: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         """(input ids, positions, forward context) of the padded batch: views of the input
-        buffers and every layer's attention metadata (checked in debug mode)."""
-        commons, attn_metadata = self.build_metadata(desc, layout)
-        ids = self.input_batch.input_ids.gpu[:desc.num_tokens_padded]
-        positions = self.input_batch.positions.gpu[:desc.num_tokens_padded]
+        buffers (``batch``'s, default the serving ones) and every layer's attention
+        metadata (checked in debug mode, unless not ``check``)."""
+        batch = self.input_batch if batch is None else batch
+        commons, attn_metadata = self.build_metadata(desc, layout, batch, check)
+        ids = batch.input_ids.gpu[:desc.num_tokens_padded]
+        positions = batch.positions.gpu[:desc.num_tokens_padded]
         return ids, positions, ForwardContext(desc, attn_metadata, self.layers,
                                               commons=commons)
 
-    def build_metadata(self, desc: BatchExecutionDescriptor, layout: BatchLayout
+    def build_metadata(self, desc: BatchExecutionDescriptor, layout: BatchLayout,
+                       batch: InputBatch | None = None, check: bool = True
                        ) -> tuple[list[CommonAttentionMetadata], dict[str, object]]:
         """Per KV cache group (views of the input buffers sliced by ``desc``), then per
         layer (its attention group's).
@@ -258,25 +268,41 @@ class ModelRunner:
         to max_model_len keys, and size their query tiles (FA picks its decode path) by
         1 or 1 + k per request for a uniform decode / verify graph, else by all tokens.
         """
+        batch = self.input_batch if batch is None else batch
         lens = (layout.max_query_len, layout.max_seq_len)
         if desc.mode == CUDAGraphMode.FULL:
-            q = self.input_batch.decode_query_len
+            q = batch.decode_query_len
             lens = (q if desc.uniform_query_len == q else desc.num_tokens_padded,
                     self.max_model_len)
-        commons = self.input_batch.metadata_views(desc, *lens)
+        commons = batch.metadata_views(desc, *lens)
         return commons, build_layer_metadata(self.attn_groups, commons,
-                                             self.config.debug_padding)
+                                             self.config.debug_padding and check)
 
     def poison_pads(self, desc: BatchExecutionDescriptor, generator: torch.Generator) -> None:
         """Garbage into the pad input rows a replay of ``desc`` reads (debug_padding)."""
         self.input_batch.poison_pads(desc, generator, self.vocab_size, self.max_model_len)
 
-    def dummy_batch(self, desc: BatchExecutionDescriptor
+    def dummy_batch(self, desc: BatchExecutionDescriptor, scratch: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
-        """Inputs of a capture batch: every row a pad."""
-        layout = self.input_batch.prepare_empty()
-        self.input_batch.pad(desc)
-        return self.model_inputs(desc, layout)
+        """Inputs of a capture batch: every row a pad. ``scratch``: in input buffers of
+        their own, which no step reads or writes (a graph built off the serving thread)."""
+        batch = self.input_batch
+        if scratch:
+            if self._scratch_batch is None:
+                self._scratch_batch = self._new_input_batch(self.input_batch.max_num_tokens)
+            batch = self._scratch_batch
+        layout = batch.prepare_empty()
+        batch.pad(desc)
+        return self.model_inputs(desc, layout, batch)
+
+    def input_views(self, desc: BatchExecutionDescriptor
+                    ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        """The serving input buffers as a FULL step of ``desc`` hands them to its graph,
+        made without writing (or checking) them: what a graph built on a scratch batch
+        binds to, while steps run."""
+        if desc.mode != CUDAGraphMode.FULL:
+            raise ValueError(f"input_views of a {desc.mode.name} batch: FULL graphs only")
+        return self.model_inputs(desc, self.input_batch.prepare_empty_layout(), check=False)
 
     def _sample(self, sched: SchedulerOutput, layout: BatchLayout, logits: torch.Tensor,
                 out: ModelRunnerOutput,
