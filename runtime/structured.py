@@ -74,8 +74,10 @@ class StructuredOutputsParams:
         return next(k for k in _KINDS if getattr(self, k) not in (None, False))
 
     def key(self) -> tuple[str, str]:
-        """What the compile cache is keyed by."""
+        """What the compile cache is keyed by (a schema's text and its dict: one key)."""
         value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, str):
+            value = json.loads(value)
         if isinstance(value, (dict, list)):
             value = json.dumps(value, sort_keys=True)
         return self.kind, str(value)
