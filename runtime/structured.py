@@ -47,7 +47,7 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         set_ = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
-            raise ValueError(f"StructuredOutputsParams needs exactly one of {', '.join(_KINDS)}"
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(_KINDS)}"
                              f"; got {set_ or 'none'}")
         if self.json is not None:
             if isinstance(self.json, str):

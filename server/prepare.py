@@ -55,6 +55,8 @@ class Preparer:
         self.model_name = model_name
         self.chat_template = chat_template
         self.limits = limits
+        self.grammars = engine.grammars
+        self.speculative = engine.config.speculative
         self.pool = concurrent.futures.ThreadPoolExecutor(num_workers,
                                                           thread_name_prefix="rung-prepare")
         # NOTE: requests with their own template wait here, one at a time (the renderer
@@ -85,6 +87,7 @@ class Preparer:
         prompts = [self._tokenize(p, "prompt") for p in completion_prompts(req)]
         params = sampling_params(req, req.max_tokens, req.logprobs)
         self._check_length(prompts, params, "prompt")
+        self._compile_grammar(req, params)
         return Prepared(req, prompts, params)
 
     def _parse_chat(self, body: bytes) -> ChatCompletionRequest:
@@ -122,7 +125,27 @@ class Preparer:
                 e.param = field
             raise
         self._check_length([prompt], params, "messages")
+        self._compile_grammar(req, params)
         return Prepared(req, [prompt], params, num_top)
+
+    def _compile_grammar(self, req: Any, params: SamplingParams) -> None:
+        """A bad schema / regex / grammar is the client's 400, found here (the compile is
+        cached: the engine's own submit finds it done)."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        field = ("response_format" if (req.model_extra or {}).get("response_format")
+                 is not None else "structured_outputs")
+        if self.speculative:
+            raise BadRequest(f"{field} cannot be combined with speculative decoding on this "
+                             "server yet", field)
+        if self.tokenizer is None:
+            raise BadRequest(f"{field} needs a tokenizer; model {self.model_path!r} has none",
+                             field)
+        try:
+            self.grammars.compile(spec)
+        except ValueError as e:
+            raise BadRequest(str(e).replace("structured_outputs", field, 1), field) from None
 
     def _render_request_template(self, template: str, messages: list[dict],
                                  add_generation_prompt: bool) -> dict:

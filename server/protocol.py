@@ -90,7 +90,7 @@ class ChatCompletionRequest(_Sampling):
 
 # fields SamplingParams may grow (another wave adds them); the value that changes nothing
 _NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-            "min_p": 0.0, "logit_bias": None, "response_format": None, "tools": None,
+            "min_p": 0.0, "logit_bias": None, "tools": None,
             "tool_choice": None, "parallel_tool_calls": None, "length_penalty": 1.0}
 _IGNORED = {"user", "metadata", "store", "service_tier"}
 
@@ -108,8 +108,17 @@ def sampling_params(req: _Sampling, max_tokens: int | None, logprobs: int | None
     for name in ("temperature", "top_p", "top_k"):
         if getattr(req, name) is not None:
             kwargs[name] = getattr(req, name)
-    for name, value in (req.model_extra or {}).items():
-        if name in _IGNORED or value is None:
+    extra = req.model_extra or {}
+    response_format = extra.get("response_format")
+    if response_format is not None:
+        spec = structured_from_response_format(response_format)
+        if spec is not None:
+            if extra.get("structured_outputs") is not None:
+                raise BadRequest("response_format and structured_outputs both constrain the "
+                                 "output: send one", "response_format")
+            kwargs["structured_outputs"] = spec
+    for name, value in extra.items():
+        if name in _IGNORED or name == "response_format" or value is None:
             continue
         if name in fields and name != "output_kind":
             kwargs[name] = value
@@ -126,11 +135,36 @@ def sampling_params(req: _Sampling, max_tokens: int | None, logprobs: int | None
         raise BadRequest(str(e)) from None
 
 
+def structured_from_response_format(value: Any) -> dict | None:
+    """OpenAI's ``response_format`` -> vLLM's ``structured_outputs`` (None: free text).
+    ``json_schema.strict`` is accepted either way: the output always follows the schema."""
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise BadRequest(f"response_format={value!r} is invalid: must be an object with a "
+                         "type of 'text', 'json_object' or 'json_schema'", "response_format")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise BadRequest(f"response_format.type={kind!r} is invalid: must be 'text', "
+                         "'json_object' or 'json_schema'", "response_format")
+    spec = value.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise BadRequest("response_format.json_schema.schema is missing or not an object: "
+                         "send {'type': 'json_schema', 'json_schema': {'name': ..., "
+                         "'schema': {...}}}", "response_format")
+    return {"json": schema}
+
+
 def param_of(message: str) -> str | None:
     """The field an engine error names: 'SamplingParams.max_tokens=0 ...' -> max_tokens,
     'prompt has 9 tokens, ...' -> prompt."""
     if message.startswith("stop token id"):
         return "stop_token_ids"
+    if message.startswith("structured_outputs"):
+        return "structured_outputs"
     m = re.match(r"(?:SamplingParams\.)?(\w+)[= ]", message)
     return m.group(1) if m is not None else None
 

@@ -1,0 +1,149 @@
+"""Structured outputs through `rung serve` on SmolLM2-135M (a real tokenizer), driven by the
+official openai client: OpenAI's ``response_format`` (json_schema, json_object) and vLLM's
+``structured_outputs`` extra body (json, regex, choice, grammar) on both endpoints, greedy
+and sampled, n=2 and streamed; bad specs are 400s naming the field."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+
+import pytest
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+pytest.importorskip("fastapi")
+
+from test_server import Server  # noqa: E402
+
+MODEL = "smollm2-135m"
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+ORDER = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "items": {"type": "array", "minItems": 1, "maxItems": 3,
+                  "items": {"type": "object",
+                            "properties": {"sku": {"type": "string", "maxLength": 6},
+                                           "qty": {"type": "integer", "minimum": 1,
+                                                   "maximum": 9}},
+                            "required": ["sku", "qty"], "additionalProperties": False}},
+        "paid": {"type": "boolean"},
+    },
+    "required": ["id", "items", "paid"],
+    "additionalProperties": False,
+}
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 16},
+        "location": {"type": "object",
+                     "properties": {"country": {"type": "string", "maxLength": 12},
+                                    "continent": {"enum": ["Europe", "Asia", "Africa",
+                                                           "America", "Oceania"]}},
+                     "required": ["country", "continent"], "additionalProperties": False},
+    },
+    "required": ["city", "location"],
+    "additionalProperties": False,
+}
+SCHEMAS = [("person", PERSON, "Describe a user of a web site as JSON."),
+           ("order", ORDER, "Write a shop order as JSON."),
+           ("city", CITY, "Name a big city and where it is, as JSON.")]
+MAX_TOKENS = 90
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("structured"), "--max-num-seqs", "16",
+               model=MODEL, max_model_len=512)
+    yield s
+    s.stop()
+
+
+def _chat(client, content: str, **kw):
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS,
+        **kw)
+
+
+def test_20_json_schema_chats_greedy_and_sampled_validate(server):
+    client = server.client()
+    jobs = []
+    for i in range(20):
+        name, schema, ask = SCHEMAS[i % len(SCHEMAS)]
+        sampling = {"temperature": 0} if i < 10 else {"temperature": 0.8, "seed": i}
+        jobs.append((schema, ask, sampling, name))
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda job: _chat(
+            client, job[1], response_format={"type": "json_schema", "json_schema": {
+                "name": job[3], "schema": job[0], "strict": True}}, **job[2]), jobs))
+    for (schema, *_), answer in zip(jobs, answers):
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_json_object_n2_and_streamed(server):
+    client = server.client()
+    answer = _chat(client, "Give me a small JSON object with a cat's name and age.",
+                   temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(answer.choices[0].message.content), dict)
+    answer = _chat(client, SCHEMAS[0][2], n=2, temperature=0.9, seed=3,
+                   response_format={"type": "json_schema", "json_schema": {
+                       "name": "person", "schema": PERSON}})
+    assert len(answer.choices) == 2
+    for choice in answer.choices:
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    stream = _chat(client, SCHEMAS[0][2], stream=True, temperature=0,
+                   extra_body={"structured_outputs": {"json": PERSON}})
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert len([p for p in pieces if p]) > 2
+    jsonschema.validate(json.loads("".join(pieces)), PERSON)
+
+
+def test_completions_regex_choice_and_grammar(server):
+    client = server.client()
+    regex = r"[0-9]{3}-[0-9]{4}"
+    got = client.completions.create(model=MODEL, prompt="Phone number: ", max_tokens=20,
+                                     temperature=0,
+                                     extra_body={"structured_outputs": {"regex": regex}})
+    assert re.fullmatch(regex, got.choices[0].text), got.choices[0].text
+    got = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:",
+                                     max_tokens=10, n=2, temperature=1.0, seed=1,
+                                     extra_body={"structured_outputs": {
+                                         "choice": ["yes", "no", "maybe"]}})
+    assert {c.text for c in got.choices} <= {"yes", "no", "maybe"}
+    answer = _chat(client, "What is 2+3?", temperature=0, extra_body={
+        "structured_outputs": {"grammar": 'start: "The answer is " NUM "."\nNUM: /[0-9]+/'}})
+    assert re.fullmatch(r"The answer is [0-9]+\.", answer.choices[0].message.content)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {"type": "object"}, "regex": "x"}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}},
+     "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+])
+def test_bad_specs_are_400s_naming_the_field(server, body, param):
+    status, answer = server.post("/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        **body})
+    assert status == 400, answer
+    assert answer["error"]["param"] == param, answer
