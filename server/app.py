@@ -38,10 +38,14 @@ from rung.server.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
+    TokenizeRequest,
+    echo_logprobs,
     error_body,
     now,
     param_of,
+    usage,
 )
 from rung.server.streaming import (
     Choice,
@@ -170,11 +174,17 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             return _sse(completion_events(stream, tracker, head, include_usage))
         await until_done_or_hangup(raw, collect(stream, tracker, completion_logprobs_of))
-        return {**head, "choices": [
+        if req.echo:
+            _echo(server.preparer.tokenizer, tracker, prompts, prepared.echo_only,
+                  req.logprobs is not None)
+        answer = {**head, "choices": [
             {"index": c.index, "text": c.text, "logprobs": c.logprobs,
              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
              **_prompt_logprobs(tracker, c, params)}
             for c in tracker.choices], "usage": tracker.usage()}
+        if prepared.echo_only:
+            answer["usage"] = usage(tracker.num_prompt_tokens, 0)
+        return answer
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest, defs),
               responses=_errors(400, 401, 404, 500, 503, streams=True))
@@ -197,6 +207,16 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             "usage": tracker.usage(),
             **(_prompt_logprobs(tracker, tracker.choices[0], params) if tracker.choices
                else {})}
+
+    @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest, defs),
+              responses=_errors(400, 401, 404))
+    async def tokenize(raw: Request) -> dict:
+        return await server.preparer.tokenize(await read_body(raw, config.limits))
+
+    @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest, defs),
+              responses=_errors(400, 401, 404))
+    async def detokenize(raw: Request) -> dict:
+        return await server.preparer.detokenize(await read_body(raw, config.limits))
 
     default_openapi = app.openapi
 
@@ -253,6 +273,31 @@ class _AuthAndCount:
 def _error(exc: HTTPError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(exc.message, exc.code, exc.param), status_code=exc.code,
                         headers=headers)
+
+
+def _echo(tokenizer: Any, tracker: Tracker, prompts: list[dict], echo_only: bool,
+          with_logprobs: bool) -> None:
+    """Each choice's text and logprobs with its prompt's in front (``echo``); with
+    ``echo_only`` (max_tokens=0) the prompt's alone."""
+    def decode(token_id: int) -> str:
+        return tokenizer.decode([token_id]) if tokenizer is not None else ""
+
+    for c in tracker.choices:
+        index = c.index // tracker.n
+        ids = prompts[index]["prompt_token_ids"]
+        text = prompts[index].get("prompt")
+        if text is None:
+            text = tokenizer.decode(ids) if tokenizer is not None else ""
+        lp = (echo_logprobs(ids, tracker.prompt_logprobs.get(index), decode)
+              if with_logprobs else None)
+        if echo_only:
+            c.text, c.logprobs = text, lp
+            continue
+        if lp is not None and c.logprobs is not None:
+            for key in ("tokens", "token_logprobs", "top_logprobs"):
+                lp[key] += c.logprobs[key]
+            lp["text_offset"] += [o + len(text) for o in c.logprobs["text_offset"]]
+        c.text, c.logprobs = text + c.text, lp
 
 
 def _prompt_logprobs(tracker: Tracker, choice: Choice, params: SamplingParams) -> dict:

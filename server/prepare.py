@@ -28,6 +28,8 @@ from rung.server.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     chat_messages,
     completion_prompts,
     sampling_params,
@@ -42,6 +44,7 @@ class Prepared:
     prompts: list[dict]               # {"prompt", "prompt_token_ids"} each
     params: SamplingParams
     num_top: int = 0                  # chat: top_logprobs per token
+    echo_only: bool = False           # completions: echo with max_tokens=0 (prompt only)
 
 
 class Preparer:
@@ -51,6 +54,7 @@ class Preparer:
                  limits: ServerLimits, num_workers: int = 2) -> None:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.runner.vocab_size
         self.model_path = engine.config.model
         self.model_name = model_name
         self.chat_template = chat_template
@@ -75,6 +79,14 @@ class Preparer:
         executor = self.pool if req.chat_template is None else self.template_pool
         return await loop.run_in_executor(executor, self._chat, req)
 
+    async def tokenize(self, body: bytes) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, self._tokenize_body, body)
+
+    async def detokenize(self, body: bytes) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, self._detokenize_body, body)
+
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.template_pool.shutdown(wait=False, cancel_futures=True)
@@ -85,10 +97,60 @@ class Preparer:
         req = _parse(CompletionRequest, body, self.limits)
         self._check(req)
         prompts = [self._tokenize(p, "prompt") for p in completion_prompts(req)]
-        params = sampling_params(req, req.max_tokens, req.logprobs)
+        echo_only = req.echo and req.max_tokens == 0
+        if req.echo and req.stream:
+            raise BadRequest("echo=true with stream=true is not supported", "echo")
+        # NOTE: vLLM's way: echo without generation runs one step and drops its token
+        params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = req.logprobs
         self._check_length(prompts, params, "prompt")
         self._compile_grammar(req, params)
-        return Prepared(req, prompts, params)
+        return Prepared(req, prompts, params, echo_only=echo_only)
+
+    def _tokenize_body(self, body: bytes) -> dict:
+        """vLLM's /tokenize answer: count, max_model_len, tokens (and token_strs)."""
+        req = _parse(TokenizeRequest, body, self.limits)
+        self._check_model(req.model)
+        tok = self._need_tokenizer("prompt" if req.messages is None else "messages")
+        if (req.prompt is None) == (req.messages is None):
+            raise BadRequest("send exactly one of prompt and messages", "prompt")
+        if req.prompt is not None:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            chat = ChatCompletionRequest(messages=req.messages)
+            try:
+                ids = apply_chat_template(tok, chat_messages(chat), self.chat_template,
+                                          req.add_generation_prompt,
+                                          self.model_path)["prompt_token_ids"]
+            except BadRequest:
+                raise
+            except Exception as e:  # noqa: BLE001 - the template's error is the client's
+                raise BadRequest(f"chat template failed: {type(e).__name__}: {e}",
+                                 "messages") from None
+        strs = [tok.decode([t], skip_special_tokens=False) for t in ids]
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": strs if req.return_token_strs else None}
+
+    def _detokenize_body(self, body: bytes) -> dict:
+        req = _parse(DetokenizeRequest, body, self.limits)
+        self._check_model(req.model)
+        tok = self._need_tokenizer("tokens")
+        bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is out of the vocabulary [0, "
+                             f"{self.vocab_size})", "tokens")
+        return {"prompt": tok.decode(req.tokens)}
+
+    def _need_tokenizer(self, field: str) -> Any:
+        if self.tokenizer is None:
+            raise BadRequest(f"model {self.model_path!r} has no tokenizer", field)
+        return self.tokenizer
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise HTTPError(404, f"The model `{model}` does not exist; this server "
+                            f"serves `{self.model_name}`", "model")
 
     def _parse_chat(self, body: bytes) -> ChatCompletionRequest:
         req = _parse(ChatCompletionRequest, body, self.limits)
@@ -162,9 +224,7 @@ class Preparer:
         return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
 
     def _check(self, req: CompletionRequest | ChatCompletionRequest) -> None:
-        if req.model is not None and req.model != self.model_name:
-            raise HTTPError(404, f"The model `{req.model}` does not exist; this server "
-                            f"serves `{self.model_name}`", "model")
+        self._check_model(req.model)
         limits_mod.check(req, self.limits)
 
     def _tokenize(self, prompt: str | dict, field: str) -> dict:

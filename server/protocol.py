@@ -88,6 +88,27 @@ class ChatCompletionRequest(_Sampling):
     chat_template: str | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a ``prompt`` or chat ``messages`` (rendered by the server's
+    chat template)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # fields SamplingParams may grow (another wave adds them); the value that changes nothing
 _NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
             "min_p": 0.0, "logit_bias": None, "tools": None,
@@ -171,8 +192,6 @@ def param_of(message: str) -> str | None:
 
 def completion_prompts(req: CompletionRequest) -> list[str | dict]:
     """OpenAI's four prompt shapes -> one engine prompt each."""
-    if req.echo:
-        raise BadRequest("echo=true is not supported", "echo")
     if req.suffix:
         raise BadRequest("suffix is not supported", "suffix")
     if req.best_of not in (None, req.n):
@@ -246,6 +265,29 @@ def completion_logprobs(c: CompletionOutput, text_offset: int) -> dict[str, Any]
         tops.append(top)
         offsets.append(text_offset)
         text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def echo_logprobs(prompt_ids: list[int], entries: list | None,
+                  decode: Any) -> dict[str, Any]:
+    """The prompt's part of an echoed completion's logprobs (lm-evaluation-harness reads
+    it): the first token has none; each later one its logprob and top alternatives."""
+    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+    for i, token_id in enumerate(prompt_ids):
+        entry = entries[i] if entries is not None and i < len(entries) else None
+        if entry is None:
+            text, lp, top = decode(token_id), None, None
+        else:
+            text, lp = _token_text(entry[token_id], token_id), entry[token_id].logprob
+            top = {}
+            for t, e in _by_rank(entry):
+                top.setdefault(_token_text(e, t), e.logprob)
+        tokens.append(text)
+        token_lps.append(lp)
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
 

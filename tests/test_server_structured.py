@@ -147,3 +147,48 @@ def test_bad_specs_are_400s_naming_the_field(server, body, param):
         **body})
     assert status == 400, answer
     assert answer["error"]["param"] == param, answer
+
+
+def test_tokenize_and_detokenize_as_vllm_shapes_them(server):
+    status, got = server.post("/tokenize", {"model": MODEL, "prompt": "Hello world"})
+    assert status == 200 and got["count"] == len(got["tokens"]) > 1
+    assert got["max_model_len"] == 512 and got["token_strs"] is None
+    status, back = server.post("/detokenize", {"model": MODEL, "tokens": got["tokens"]})
+    assert status == 200 and back["prompt"].strip() == "Hello world"
+    status, chat = server.post("/tokenize", {"messages": [{"role": "user", "content": "Hi"}],
+                                             "return_token_strs": True})
+    assert status == 200 and chat["count"] > got["count"]
+    assert "".join(chat["token_strs"]).count("Hi") == 1
+    status, err = server.post("/detokenize", {"tokens": [10 ** 9]})
+    assert status == 400 and err["error"]["param"] == "tokens"
+    status, err = server.post("/tokenize", {})
+    assert status == 400
+
+
+def test_echo_with_logprobs_and_max_tokens_0_gives_the_prompts_logprobs(server):
+    """lm-evaluation-harness's local-completions loglikelihood request: the prompt's token
+    logprobs match what the model assigns when it generates those tokens greedily."""
+    client = server.client()
+    prompt = "The capital of France is"
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3,
+                                       temperature=0, logprobs=1)
+    full = prompt + greedy.choices[0].text
+    got = client.completions.create(model=MODEL, prompt=full, max_tokens=0, echo=True,
+                                    logprobs=1, temperature=0)
+    (c,) = got.choices
+    assert c.text == full
+    lps = c.logprobs
+    assert lps.token_logprobs[0] is None and all(
+        isinstance(x, float) for x in lps.token_logprobs[1:])
+    num_gen = len(greedy.choices[0].logprobs.token_logprobs)
+    # the generated tokens re-scored as prompt: same logprobs, each the top-1 (greedy)
+    for want, have, top in zip(greedy.choices[0].logprobs.token_logprobs,
+                               lps.token_logprobs[-num_gen:], lps.top_logprobs[-num_gen:]):
+        assert abs(want - have) < 1e-3
+        assert abs(max(top.values()) - have) < 1e-6
+    assert got.usage.completion_tokens == 0
+    assert got.usage.prompt_tokens == len(lps.tokens)
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True,
+                                       temperature=0)
+    assert echoed.choices[0].text.startswith(prompt)
+    assert len(echoed.choices[0].text) > len(prompt)
