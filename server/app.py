@@ -45,7 +45,6 @@ from rung.server.protocol import (
     error_body,
     now,
     param_of,
-    usage,
 )
 from rung.server.streaming import (
     Choice,
@@ -183,7 +182,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
              **_prompt_logprobs(tracker, c, params)}
             for c in tracker.choices], "usage": tracker.usage()}
         if prepared.echo_only:
-            answer["usage"] = usage(tracker.num_prompt_tokens, 0)
+            answer["usage"] = {**tracker.usage(), "completion_tokens": 0,
+                               "total_tokens": tracker.num_prompt_tokens}
         return answer
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest, defs),

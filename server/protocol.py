@@ -244,9 +244,11 @@ def error_body(message: str, code: int, param: str | None = None) -> dict[str, A
 
 
 # --- responses --------------------------------------------------------------------------------
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0
+          ) -> dict[str, Any]:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
 def completion_logprobs(c: CompletionOutput, text_offset: int) -> dict[str, Any] | None:

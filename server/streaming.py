@@ -50,6 +50,7 @@ class Tracker:
         self.num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         self.choices = [Choice(i) for i in range(len(prompts) * n)]
         self.prompt_logprobs: dict[int, list] = {}     # prompt index -> vLLM's entries
+        self.num_cached: dict[str, int] = {}            # request id -> prefix-cache hit
         m = server.metrics
         m.prompt_tokens.labels(m.model_name).inc(self.num_prompt_tokens)
 
@@ -58,6 +59,8 @@ class Tracker:
 
     def seen(self, out) -> None:
         """Note what an output carries for the whole prompt (its prompt_logprobs)."""
+        if out.num_cached_tokens is not None:
+            self.num_cached[out.request_id] = out.num_cached_tokens
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[self.prompt_index[out.request_id]] = out.prompt_logprobs
 
@@ -89,7 +92,8 @@ class Tracker:
             m.e2e.labels(m.model_name).observe(time.perf_counter() - self.arrival)
 
     def usage(self) -> dict[str, int]:
-        return usage(self.num_prompt_tokens, sum(c.num_tokens for c in self.choices))
+        return usage(self.num_prompt_tokens, sum(c.num_tokens for c in self.choices),
+                     sum(self.num_cached.values()))
 
 
 # --- collecting and streaming -------------------------------------------------------------------
@@ -169,6 +173,7 @@ async def _events(stream: RequestStream, tracker: Tracker, head: dict, include_u
     usage_none = {"usage": None} if include_usage else {}
     try:
         async for out in stream:
+            tracker.seen(out)
             choices = []
             for c in out.outputs:
                 choice = tracker.choice(out.request_id, c.index)

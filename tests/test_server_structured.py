@@ -192,3 +192,20 @@ def test_echo_with_logprobs_and_max_tokens_0_gives_the_prompts_logprobs(server):
                                        temperature=0)
     assert echoed.choices[0].text.startswith(prompt)
     assert len(echoed.choices[0].text) > len(prompt)
+
+
+def test_usage_reports_prefix_cache_hits_as_cached_tokens(server):
+    client = server.client()
+    prompt = "A long shared system prompt about the history of tea. " * 6
+    first = client.completions.create(model=MODEL, prompt=prompt + "One", max_tokens=2,
+                                      temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt + "Two", max_tokens=2,
+                                       temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens and cached % 16 == 0
+    stream = client.completions.create(model=MODEL, prompt=prompt + "Three", max_tokens=2,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    last = [chunk for chunk in stream][-1]
+    assert last.usage.prompt_tokens_details.cached_tokens == cached

@@ -79,6 +79,7 @@ class Request:
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.num_preemptions = 0
+        self.num_cached_tokens: int | None = None   # prefix-cache hit at first admission
         # structured outputs: the matcher, set by the engine (None: unconstrained)
         self.grammar: RequestGrammar | None = None
 
@@ -99,6 +100,8 @@ class Request:
     def start(self) -> None:
         """Admitted: it holds KV blocks for this step's tokens."""
         self._require(RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = self.num_computed_tokens
         self.status = RequestStatus.RUNNING
 
     def commit(self, tokens: list[int], num_computed: int, kv: KVCacheManager,
