@@ -57,6 +57,7 @@ from rung.server.streaming import (
     completion_logprobs_of,
     until_done_or_hangup,
 )
+from rung.server.tools import ToolPlan, parse
 
 logger = logging.getLogger(__name__)
 
@@ -201,8 +202,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             return _sse(chat_events(stream, tracker, head, include_usage, num_top))
         await until_done_or_hangup(raw, collect(stream, tracker, chat_logprobs_of(num_top)))
         return {**head, "object": "chat.completion", "choices": [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+            {"index": c.index, **_message(c, prepared.tools), "logprobs": c.logprobs,
              "stop_reason": c.stop_reason} for c in tracker.choices],
             "usage": tracker.usage(),
             **(_prompt_logprobs(tracker, tracker.choices[0], params) if tracker.choices
@@ -273,6 +273,19 @@ class _AuthAndCount:
 def _error(exc: HTTPError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(exc.message, exc.code, exc.param), status_code=exc.code,
                         headers=headers)
+
+
+def _message(c: Choice, tools: ToolPlan | None) -> dict:
+    """A chat choice's message and finish_reason; tool calls read out of its text."""
+    if tools is None:
+        return {"message": {"role": "assistant", "content": c.text},
+                "finish_reason": c.finish_reason}
+    content, calls = parse(tools, c.text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+    return {"message": message, "finish_reason": finish}
 
 
 def _echo(tokenizer: Any, tracker: Tracker, prompts: list[dict], echo_only: bool,

@@ -22,6 +22,7 @@ import pydantic_core
 from pydantic import BaseModel, ValidationError
 
 from rung.runtime import SamplingParams, apply_chat_template, context_overflow
+from rung.runtime.structured import StructuredOutputsParams
 from rung.server import limits as limits_mod
 from rung.server.limits import ServerLimits
 from rung.server.protocol import (
@@ -36,6 +37,7 @@ from rung.server.protocol import (
 )
 from rung.server.streaming import HTTPError
 from rung.server.template_sandbox import TemplateRenderer, TemplateTimeout
+from rung.server.tools import ToolPlan, plan
 
 
 @dataclasses.dataclass
@@ -45,6 +47,7 @@ class Prepared:
     params: SamplingParams
     num_top: int = 0                  # chat: top_logprobs per token
     echo_only: bool = False           # completions: echo with max_tokens=0 (prompt only)
+    tools: ToolPlan | None = None     # chat: what tool calls the answer may hold
 
 
 class Preparer:
@@ -159,13 +162,18 @@ class Preparer:
 
     def _chat(self, req: ChatCompletionRequest) -> Prepared:
         messages = chat_messages(req)
+        tools = plan(req.tools, req.tool_choice)
+        if tools is not None and tools.mode != "none" and req.stream:
+            raise BadRequest("stream=true with tools is not supported yet (tool_calls are "
+                             "not streamed as deltas): send stream=false", "stream")
         try:
             if req.chat_template is not None:
                 prompt = self._render_request_template(req.chat_template, messages,
                                                        req.add_generation_prompt)
             else:
                 prompt = apply_chat_template(self.tokenizer, messages, self.chat_template,
-                                             req.add_generation_prompt, self.model_path)
+                                             req.add_generation_prompt, self.model_path,
+                                             tools=req.tools)
         except TemplateTimeout:
             raise BadRequest(f"chat_template did not render within "
                              f"{self.limits.chat_template_timeout_s} s "
@@ -187,17 +195,26 @@ class Preparer:
                 e.param = field
             raise
         self._check_length([prompt], params, "messages")
-        self._compile_grammar(req, params)
-        return Prepared(req, [prompt], params, num_top)
+        field = None
+        if tools is not None and tools.mode == "forced":
+            if params.structured_outputs is not None:
+                raise BadRequest("tool_choice forces a tool call: response_format / "
+                                 "structured_outputs cannot constrain the same output",
+                                 "tool_choice")
+            params.structured_outputs = StructuredOutputsParams(json=tools.schema)
+            field = "tools"
+        self._compile_grammar(req, params, field)
+        return Prepared(req, [prompt], params, num_top, tools=tools)
 
-    def _compile_grammar(self, req: Any, params: SamplingParams) -> None:
+    def _compile_grammar(self, req: Any, params: SamplingParams, field: str | None = None
+                         ) -> None:
         """A bad schema / regex / grammar is the client's 400, found here (the compile is
         cached: the engine's own submit finds it done)."""
         spec = params.structured_outputs
         if spec is None:
             return
-        field = ("response_format" if (req.model_extra or {}).get("response_format")
-                 is not None else "structured_outputs")
+        field = field or ("response_format" if (req.model_extra or {}).get("response_format")
+                          is not None else "structured_outputs")
         if self.speculative:
             raise BadRequest(f"{field} cannot be combined with speculative decoding on this "
                              "server yet", field)

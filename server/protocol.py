@@ -83,6 +83,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # OpenAI's tool calls (rung.server.tools)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's extras
     add_generation_prompt: bool = True
     chat_template: str | None = None

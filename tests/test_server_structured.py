@@ -209,3 +209,65 @@ def test_usage_reports_prefix_cache_hits_as_cached_tokens(server):
                                        stream_options={"include_usage": True})
     last = [chunk for chunk in stream][-1]
     assert last.usage.prompt_tokens_details.cached_tokens == cached
+
+
+WEATHER = {"type": "object",
+           "properties": {"city": {"type": "string", "maxLength": 20},
+                          "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}},
+        "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+
+
+def test_tool_choice_required_and_named_give_tool_calls_that_validate(server):
+    client = server.client()
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    got = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS,
+                                         tool_choice="required", max_tokens=60,
+                                         temperature=0)
+    (c,) = got.choices
+    assert c.finish_reason == "tool_calls"
+    (call,) = c.message.tool_calls
+    schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    got = client.chat.completions.create(
+        model=MODEL, messages=ask, tools=TOOLS, max_tokens=60, temperature=0.8, seed=2, n=2,
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    for c in got.choices:
+        assert c.message.tool_calls[0].function.name == "get_time"
+        jsonschema.validate(json.loads(c.message.tool_calls[0].function.arguments), TIME)
+    # the call goes back into the conversation with the tool's answer
+    follow = ask + [{"role": "assistant", "content": None,
+                     "tool_calls": [c.message.tool_calls[0].model_dump()]},
+                    {"role": "tool", "tool_call_id": c.message.tool_calls[0].id,
+                     "content": "12:00"}]
+    got = client.chat.completions.create(model=MODEL, messages=follow, tools=TOOLS,
+                                         tool_choice="none", max_tokens=8, temperature=0)
+    assert got.choices[0].message.tool_calls is None
+
+
+def test_bad_tool_requests_are_400s(server):
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for body, param in [({"tools": TOOLS, "tool_choice": {"type": "function",
+                                                          "function": {"name": "nope"}}},
+                         "tool_choice"),
+                        ({"tools": [{"type": "function"}]}, "tools"),
+                        ({"tool_choice": "required"}, "tool_choice"),
+                        ({"tools": TOOLS, "stream": True}, "stream")]:
+        status, answer = server.post("/v1/chat/completions", {**base, **body})
+        assert status == 400 and answer["error"]["param"] == param, (body, answer)
+
+
+def test_auto_reads_tool_call_blocks():
+    from rung.server.tools import parse, plan
+
+    auto = plan(TOOLS, None)
+    text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Oslo", "unit": "celsius"}}\n</tool_call>')
+    content, calls = parse(auto, text)
+    assert content == "Let me check."
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "celsius"}
+    assert parse(auto, "Just text.") == ("Just text.", [])
