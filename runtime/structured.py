@@ -20,6 +20,7 @@ its output tokens, so its matcher state stays valid.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -139,18 +140,22 @@ class _ByteWrapper:
 
 
 class GrammarCompiler:
-    """Compiles specs on one worker thread, each distinct spec once (cached by its key).
+    """Compiles specs on one worker thread, each distinct spec once (cached by its key,
+    the ``max_cached`` most recent: a server's clients choose the specs).
     ``compile`` (blocking; for a caller already off the event loop, e.g. the server's
     request preparation) raises ValueError naming what is wrong."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
+                 max_cached: int = 256) -> None:
+        self.max_cached = max_cached
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
         self._args = (tokenizer, vocab_size, eos_token_ids)
         self._llg_tok = None
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "rung-grammar")
-        self._cache: dict[tuple[str, str], concurrent.futures.Future] = {}
+        self._cache: collections.OrderedDict[tuple[str, str], concurrent.futures.Future] = (
+            collections.OrderedDict())
 
     @property
     def llg_tokenizer(self) -> Any:
@@ -166,6 +171,10 @@ class GrammarCompiler:
             future = self._cache.get(key)
             if future is None:
                 future = self._cache[key] = self._pool.submit(self._compile, spec)
+                if len(self._cache) > self.max_cached:
+                    self._cache.popitem(last=False)   # its requests keep their future
+            else:
+                self._cache.move_to_end(key)
             return future
 
     def compile(self, spec: StructuredOutputsParams) -> str:

@@ -172,6 +172,9 @@ def test_the_same_spec_compiles_once(llm):
     a = compiler.submit(StructuredOutputsParams(json={"type": "object", "x-k": 1}))
     b = compiler.submit(StructuredOutputsParams(json=json.dumps({"x-k": 1, "type": "object"})))
     assert a is b
+    for i in range(compiler.max_cached):
+        compiler.submit(StructuredOutputsParams(regex=f"x{i}"))
+    assert compiler.submit(StructuredOutputsParams(json={"type": "object", "x-k": 1})) is not a
 
 
 def test_invalid_specs_are_refused(llm):
