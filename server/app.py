@@ -199,7 +199,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         num_top = prepared.num_top
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return _sse(chat_events(stream, tracker, head, include_usage, num_top))
+            return _sse(chat_events(stream, tracker, head, include_usage, num_top,
+                                    prepared.tools))
         await until_done_or_hangup(raw, collect(stream, tracker, chat_logprobs_of(num_top)))
         return {**head, "object": "chat.completion", "choices": [
             {"index": c.index, **_message(c, prepared.tools), "logprobs": c.logprobs,

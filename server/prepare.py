@@ -163,9 +163,6 @@ class Preparer:
     def _chat(self, req: ChatCompletionRequest) -> Prepared:
         messages = chat_messages(req)
         tools = plan(req.tools, req.tool_choice)
-        if tools is not None and tools.mode != "none" and req.stream:
-            raise BadRequest("stream=true with tools is not supported yet (tool_calls are "
-                             "not streamed as deltas): send stream=false", "stream")
         try:
             if req.chat_template is not None:
                 prompt = self._render_request_template(req.chat_template, messages,

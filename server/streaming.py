@@ -15,6 +15,7 @@ from fastapi import Request
 
 from rung.server.engine_loop import EngineError, RequestAborted, RequestStream
 from rung.server.protocol import chat_logprobs, completion_logprobs, error_body, usage
+from rung.server.tools import ToolPlan, parse
 
 if TYPE_CHECKING:
     from rung.server.app import _Server
@@ -217,11 +218,23 @@ def completion_events(stream: RequestStream, tracker: Tracker, head: dict,
 
 
 def chat_events(stream: RequestStream, tracker: Tracker, head: dict, include_usage: bool,
-                 num_top: int) -> AsyncIterator[str]:
+                 num_top: int, tools: ToolPlan | None = None) -> AsyncIterator[str]:
+    """With ``tools`` the text is held and the last delta carries the content or the
+    tool calls read out of it (a call is only known once its text has ended)."""
     def body(choice: Choice, c, first: bool) -> dict:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         delta["content"] = c.text if c is not None else ""
+        finish = choice.finish_reason
+        if tools is not None:
+            choice.text += delta["content"]
+            delta["content"] = ""
+            if finish is not None:
+                content, calls = parse(tools, choice.text)
+                delta["content"] = content
+                if calls:
+                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+                    finish = "tool_calls" if finish == "stop" else finish
         return {"index": choice.index, "delta": delta,
                 "logprobs": chat_logprobs(c, num_top) if c is not None else None,
-                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+                "finish_reason": finish, "stop_reason": choice.stop_reason}
     return _events(stream, tracker, head, include_usage, body, announce=True)

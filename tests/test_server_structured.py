@@ -248,14 +248,25 @@ def test_tool_choice_required_and_named_give_tool_calls_that_validate(server):
     assert got.choices[0].message.tool_calls is None
 
 
+def test_streamed_tool_call_arrives_in_the_last_delta(server):
+    stream = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Rome?"}], tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60, temperature=0, stream=True)
+    chunks = [c for c in stream if c.choices]
+    calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_bad_tool_requests_are_400s(server):
     base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     for body, param in [({"tools": TOOLS, "tool_choice": {"type": "function",
                                                           "function": {"name": "nope"}}},
                          "tool_choice"),
                         ({"tools": [{"type": "function"}]}, "tools"),
-                        ({"tool_choice": "required"}, "tool_choice"),
-                        ({"tools": TOOLS, "stream": True}, "stream")]:
+                        ({"tool_choice": "required"}, "tool_choice")]:
         status, answer = server.post("/v1/chat/completions", {**base, **body})
         assert status == 400 and answer["error"]["param"] == param, (body, answer)
 
