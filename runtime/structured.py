@@ -6,7 +6,7 @@ wheel is one abi3 binary with no Python dependencies (xgrammar 0.2.9 pulls in
 apache-tvm-ffi and builds on torch's version), it builds its tokenizer from the same
 `tokenizers` JSON rung loads (or from a byte list for the byte-level presets), and its
 matcher computes a request's mask straight into a row of the step's int32 bitmask and
-rolls back tokens, which speculation needs.
+rolls back tokens, which speculation needs (`fill_along`).
 
 Flow: `GrammarCompiler.submit` compiles a spec on one worker thread and caches the
 result by the spec (the same schema compiles once); the engine holds a request out of the
@@ -235,6 +235,22 @@ class RequestGrammar:
             raise RuntimeError(f"structured outputs: token {token} was sampled outside the "
                                f"grammar ({m.get_error()})")
         return m.is_stopped()
+
+    def fill_along(self, bitmask: np.ndarray, row: int, drafts: list[int]) -> None:
+        """Rows ``row .. row + k`` of a request verifying ``drafts``: row i masked with the
+        matcher advanced over drafts[:i], then rolled back (commit advances it over what
+        is accepted). Past the first draft the grammar refuses, rows stay all-set: that
+        draft is rejected (the target's masked token differs from it), so no later row
+        is read."""
+        num_valid = self.matcher.validate_tokens(drafts) if drafts else 0
+        for i in range(num_valid + 1):
+            self.fill(bitmask, row + i)
+            if i < num_valid and not self.matcher.consume_token(drafts[i]):
+                raise RuntimeError(f"structured outputs: draft {drafts[i]} validated but "
+                                   f"was refused ({self.matcher.get_error()})")
+        if num_valid and not self.matcher.rollback(num_valid):
+            raise RuntimeError(f"structured outputs: rollback of {num_valid} drafts failed "
+                               f"({self.matcher.get_error()})")
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """This step's allowed tokens into ``bitmask[row]`` (int32 words, bit t % 32 of

@@ -63,7 +63,6 @@ class Preparer:
         self.chat_template = chat_template
         self.limits = limits
         self.grammars = engine.grammars
-        self.speculative = engine.config.speculative
         self.pool = concurrent.futures.ThreadPoolExecutor(num_workers,
                                                           thread_name_prefix="rung-prepare")
         # NOTE: requests with their own template wait here, one at a time (the renderer
@@ -212,9 +211,6 @@ class Preparer:
             return
         field = field or ("response_format" if (req.model_extra or {}).get("response_format")
                           is not None else "structured_outputs")
-        if self.speculative:
-            raise BadRequest(f"{field} cannot be combined with speculative decoding on this "
-                             "server yet", field)
         if self.tokenizer is None:
             raise BadRequest(f"{field} needs a tokenizer; model {self.model_path!r} has none",
                              field)

@@ -19,7 +19,9 @@ WORKLOADS = {"greedy": ("tiny-llama", None, {"temperature": 0}),
              "mtp-sampled": ("tiny-gemma4", MTP, SAMPLED),
              # the grammar's bitmask goes host -> device: still one conversion back
              "structured-sampled": ("tiny-llama", None,
-                                    {**SAMPLED, "structured_outputs": {"regex": "[a-z ]+"}})}
+                                    {**SAMPLED, "structured_outputs": {"regex": "[a-z ]+"}}),
+             "structured-ngram": ("tiny-llama", NGRAM,
+                                  {**SAMPLED, "structured_outputs": {"regex": "(ab|cd)+"}})}
 
 
 def _prompts(num: int) -> list[list[int]]:

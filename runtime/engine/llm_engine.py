@@ -111,10 +111,6 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         got = self.inputs.process(prompt, params)
         spec = got.params.structured_outputs
-        if spec is not None and self.config.speculative:
-            raise ValueError("structured_outputs cannot be combined with speculative decoding "
-                             "yet (drafts are not checked against the grammar): start the "
-                             "engine without speculative_config")
         if spec is not None and self.tokenizer is None:
             raise ValueError(f"structured_outputs need a tokenizer; model {self.config.model!r} "
                              "has none")

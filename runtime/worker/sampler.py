@@ -109,18 +109,19 @@ class SamplingBatch:
         if not all(r.argmax_only for r in reqs):         # NOTE: the one check
             _add_sampling(batch, reqs, drafts, engine_seed, vocab_size, device)
         if any(r.grammar is not None for r in reqs):
-            batch.bitmask = _bitmask(reqs, starts, len(row_req), vocab_size, device)
+            batch.bitmask = _bitmask(reqs, drafts, starts, len(row_req), vocab_size, device)
         return batch
 
 
-def _bitmask(reqs: list[Request], starts: np.ndarray, num_rows: int, vocab_size: int,
-             device: torch.device) -> torch.Tensor:
-    """Each constrained request's allowed tokens at its one row (structured outputs are
-    not verified against drafts: the engine refuses them together with speculation)."""
+def _bitmask(reqs: list[Request], drafts: list[list[int]], starts: np.ndarray,
+             num_rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Each constrained request's allowed tokens at each of its rows, the matcher advanced
+    along its drafts (`RequestGrammar.fill_along`): a draft is then accepted exactly when
+    the masked target takes it, as without speculation."""
     mask = np.full((num_rows, (vocab_size + 31) // 32), -1, dtype=np.int32)
-    for req, start in zip(reqs, starts.tolist()):
+    for req, start, req_drafts in zip(reqs, starts.tolist(), drafts):
         if req.grammar is not None:
-            req.grammar.fill(mask, start)
+            req.grammar.fill_along(mask, start, req_drafts)
     return to_device(device, mask)
 
 
