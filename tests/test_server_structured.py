@@ -282,3 +282,26 @@ def test_auto_reads_tool_call_blocks():
     assert calls[0]["function"]["name"] == "get_weather"
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "celsius"}
     assert parse(auto, "Just text.") == ("Just text.", [])
+
+
+def test_under_ngram_speculation_json_and_tool_calls_validate(server, tmp_path):
+    """A server drafting with n-gram lookup: constrained answers still validate, and the
+    greedy JSON is the one the non-speculative server gives (drafts are checked against
+    the grammar, so speculation changes no token)."""
+    spec = Server(tmp_path, "--max-num-seqs", "4", "--speculative-method", "ngram",
+                  "--num-speculative-tokens", "3", model=MODEL, max_model_len=512)
+    try:
+        client = spec.client()
+        fmt = {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER}}
+        got = _chat(client, SCHEMAS[1][2], temperature=0, response_format=fmt)
+        jsonschema.validate(json.loads(got.choices[0].message.content), ORDER)
+        call = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=TOOLS, tool_choice="required", max_tokens=60, temperature=0)
+        (tool_call,) = call.choices[0].message.tool_calls
+        schema = {"get_weather": WEATHER, "get_time": TIME}[tool_call.function.name]
+        jsonschema.validate(json.loads(tool_call.function.arguments), schema)
+    finally:
+        spec.stop()
+    want = _chat(server.client(), SCHEMAS[1][2], temperature=0, response_format=fmt)
+    assert got.choices[0].message.content == want.choices[0].message.content
