@@ -25,10 +25,11 @@ import concurrent.futures
 import dataclasses
 import json
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
+if TYPE_CHECKING:       # NOTE: SamplingParams imports this module: it stays torch-free
+    import numpy as np
+    import torch
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -262,6 +263,8 @@ class RequestGrammar:
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [R, V] with every token whose bit is clear in ``bitmask`` [R, ceil(V / 32)]
     int32 at -inf: one batched pass on the device, no host round trip."""
+    import torch
+
     shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1                   # [R, W, 32]
     allowed = bits.flatten(1)[:, :logits.shape[1]].bool()

@@ -21,8 +21,12 @@ from typing import Any
 import pydantic_core
 from pydantic import BaseModel, ValidationError
 
-from rung.runtime import SamplingParams, apply_chat_template, context_overflow
-from rung.runtime.structured import StructuredOutputsParams
+from rung.runtime import (
+    SamplingParams,
+    StructuredOutputsParams,
+    apply_chat_template,
+    context_overflow,
+)
 from rung.server import limits as limits_mod
 from rung.server.limits import ServerLimits
 from rung.server.protocol import (
