@@ -28,8 +28,10 @@ def load_chat_template(folder: str) -> str | None:
 
 
 def render_chat(template: str, messages: Conversation, add_generation_prompt: bool = True,
-                bos_token: str | None = None, eos_token: str | None = None) -> str:
-    """One conversation -> the prompt text the model was trained on."""
+                bos_token: str | None = None, eos_token: str | None = None,
+                tools: list[dict] | None = None) -> str:
+    """One conversation -> the prompt text the model was trained on (``tools``: OpenAI
+    tool definitions, for templates that render them; others ignore them)."""
     from jinja2 import TemplateError
 
     _check_messages(messages)
@@ -37,13 +39,15 @@ def render_chat(template: str, messages: Conversation, add_generation_prompt: bo
     try:
         return compiled.render(messages=messages,
                                          add_generation_prompt=add_generation_prompt,
-                                         bos_token=bos_token or "", eos_token=eos_token or "")
+                                         bos_token=bos_token or "", eos_token=eos_token or "",
+                                         tools=tools)
     except (_TemplateError, TemplateError) as e:
         raise ValueError(f"chat template failed: {e}") from None
 
 
 def apply_chat_template(tokenizer, conversation: Conversation, chat_template: str | None,
-                        add_generation_prompt: bool, model: str) -> dict:
+                        add_generation_prompt: bool, model: str,
+                        tools: list[dict] | None = None) -> dict:
     """A conversation -> ``{"prompt", "prompt_token_ids"}`` for ``LLM.generate``."""
     if tokenizer is None:
         raise ValueError(f"model {model!r} has no tokenizer to apply a chat template with")
@@ -55,7 +59,7 @@ def apply_chat_template(tokenizer, conversation: Conversation, chat_template: st
                          "`rung generate --chat --chat-template FILE`)")
     text = render_chat(template, conversation, add_generation_prompt,
                        bos_token=tokenizer.id_to_token(tokenizer.bos_token_id),
-                       eos_token=tokenizer.id_to_token(tokenizer.eos_token_id))
+                       eos_token=tokenizer.id_to_token(tokenizer.eos_token_id), tools=tools)
     # NOTE: the template writes the special tokens it wants; encode adds none of its own.
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 

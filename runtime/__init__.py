@@ -10,6 +10,7 @@ _EXPORTS = {
     "LLMEngine": "rung.runtime.engine.llm_engine",
     "SamplingParams": "rung.runtime.sampling_params",
     "RequestOutputKind": "rung.runtime.sampling_params",
+    "StructuredOutputsParams": "rung.runtime.structured",
     # why max_tokens cannot follow a prompt within max_model_len (server and CLI refuse)
     "context_overflow": "rung.runtime.sampling_params",
     "RequestOutput": "rung.runtime.outputs",

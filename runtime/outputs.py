@@ -60,3 +60,5 @@ class RequestOutput:
     finished: bool
     # prompt_logprobs: None for the first prompt token, then one dict per prompt token
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # prompt tokens whose KV came from the prefix cache when the request was first admitted
+    num_cached_tokens: int | None = None

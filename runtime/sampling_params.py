@@ -7,6 +7,8 @@ import dataclasses
 import enum
 import math
 
+from rung.runtime.structured import StructuredOutputsParams
+
 # torch.Generator.manual_seed accepts any seed in this range
 MIN_SEED, MAX_SEED = -2**63, 2**64 - 1
 
@@ -46,6 +48,9 @@ class SamplingParams:
     skip_special_tokens: bool = True            # special tokens (EOS, BOS) left out of text
     spaces_between_special_tokens: bool = True  # kept special tokens set apart by a space
     # vLLM names that vLLM itself dropped: refused unless left at their no-op values
+    # constrain the output to a JSON schema, regex, choice or grammar (vLLM's shape; a dict
+    # with one of those keys is taken as StructuredOutputsParams)
+    structured_outputs: StructuredOutputsParams | None = None
     best_of: int | None = None      # None or n only (vLLM V1 removed best_of)
     use_beam_search: bool = False   # False only (vLLM moved beam search to LLM.beam_search)
 
@@ -54,6 +59,8 @@ class SamplingParams:
             self.top_k = 0
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
         self.stop = _as_list("stop", [self.stop] if isinstance(self.stop, str) else self.stop)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._check()
 
     def clone(self) -> SamplingParams:
@@ -112,6 +119,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             _require(-2 <= getattr(self, name) <= 2, name, getattr(self, name), "in [-2, 2]")
         _require(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _require(self.structured_outputs is None
+                 or isinstance(self.structured_outputs, StructuredOutputsParams),
+                 "structured_outputs", self.structured_outputs,
+                 "a StructuredOutputsParams, a dict of its fields, or None")
 
     @property
     def greedy(self) -> bool:

@@ -38,7 +38,10 @@ from rung.server.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
+    TokenizeRequest,
+    echo_logprobs,
     error_body,
     now,
     param_of,
@@ -54,6 +57,7 @@ from rung.server.streaming import (
     completion_logprobs_of,
     until_done_or_hangup,
 )
+from rung.server.tools import ToolPlan, parse
 
 logger = logging.getLogger(__name__)
 
@@ -170,11 +174,18 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             return _sse(completion_events(stream, tracker, head, include_usage))
         await until_done_or_hangup(raw, collect(stream, tracker, completion_logprobs_of))
-        return {**head, "choices": [
+        if req.echo:
+            _echo(server.preparer.tokenizer, tracker, prompts, prepared.echo_only,
+                  req.logprobs is not None)
+        answer = {**head, "choices": [
             {"index": c.index, "text": c.text, "logprobs": c.logprobs,
              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
              **_prompt_logprobs(tracker, c, params)}
             for c in tracker.choices], "usage": tracker.usage()}
+        if prepared.echo_only:
+            answer["usage"] = {**tracker.usage(), "completion_tokens": 0,
+                               "total_tokens": tracker.num_prompt_tokens}
+        return answer
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest, defs),
               responses=_errors(400, 401, 404, 500, 503, streams=True))
@@ -188,15 +199,25 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         num_top = prepared.num_top
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return _sse(chat_events(stream, tracker, head, include_usage, num_top))
+            return _sse(chat_events(stream, tracker, head, include_usage, num_top,
+                                    prepared.tools))
         await until_done_or_hangup(raw, collect(stream, tracker, chat_logprobs_of(num_top)))
         return {**head, "object": "chat.completion", "choices": [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+            {"index": c.index, **_message(c, prepared.tools), "logprobs": c.logprobs,
              "stop_reason": c.stop_reason} for c in tracker.choices],
             "usage": tracker.usage(),
             **(_prompt_logprobs(tracker, tracker.choices[0], params) if tracker.choices
                else {})}
+
+    @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest, defs),
+              responses=_errors(400, 401, 404))
+    async def tokenize(raw: Request) -> dict:
+        return await server.preparer.tokenize(await read_body(raw, config.limits))
+
+    @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest, defs),
+              responses=_errors(400, 401, 404))
+    async def detokenize(raw: Request) -> dict:
+        return await server.preparer.detokenize(await read_body(raw, config.limits))
 
     default_openapi = app.openapi
 
@@ -253,6 +274,44 @@ class _AuthAndCount:
 def _error(exc: HTTPError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(exc.message, exc.code, exc.param), status_code=exc.code,
                         headers=headers)
+
+
+def _message(c: Choice, tools: ToolPlan | None) -> dict:
+    """A chat choice's message and finish_reason; tool calls read out of its text."""
+    if tools is None:
+        return {"message": {"role": "assistant", "content": c.text},
+                "finish_reason": c.finish_reason}
+    content, calls = parse(tools, c.text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+    return {"message": message, "finish_reason": finish}
+
+
+def _echo(tokenizer: Any, tracker: Tracker, prompts: list[dict], echo_only: bool,
+          with_logprobs: bool) -> None:
+    """Each choice's text and logprobs with its prompt's in front (``echo``); with
+    ``echo_only`` (max_tokens=0) the prompt's alone."""
+    def decode(token_id: int) -> str:
+        return tokenizer.decode([token_id]) if tokenizer is not None else ""
+
+    for c in tracker.choices:
+        index = c.index // tracker.n
+        ids = prompts[index]["prompt_token_ids"]
+        text = prompts[index].get("prompt")
+        if text is None:
+            text = tokenizer.decode(ids) if tokenizer is not None else ""
+        lp = (echo_logprobs(ids, tracker.prompt_logprobs.get(index), decode)
+              if with_logprobs else None)
+        if echo_only:
+            c.text, c.logprobs = text, lp
+            continue
+        if lp is not None and c.logprobs is not None:
+            for key in ("tokens", "token_logprobs", "top_logprobs"):
+                lp[key] += c.logprobs[key]
+            lp["text_offset"] += [o + len(text) for o in c.logprobs["text_offset"]]
+        c.text, c.logprobs = text + c.text, lp
 
 
 def _prompt_logprobs(tracker: Tracker, choice: Choice, params: SamplingParams) -> dict:

@@ -21,19 +21,27 @@ from typing import Any
 import pydantic_core
 from pydantic import BaseModel, ValidationError
 
-from rung.runtime import SamplingParams, apply_chat_template, context_overflow
+from rung.runtime import (
+    SamplingParams,
+    StructuredOutputsParams,
+    apply_chat_template,
+    context_overflow,
+)
 from rung.server import limits as limits_mod
 from rung.server.limits import ServerLimits
 from rung.server.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     chat_messages,
     completion_prompts,
     sampling_params,
 )
 from rung.server.streaming import HTTPError
 from rung.server.template_sandbox import TemplateRenderer, TemplateTimeout
+from rung.server.tools import ToolPlan, plan
 
 
 @dataclasses.dataclass
@@ -42,6 +50,8 @@ class Prepared:
     prompts: list[dict]               # {"prompt", "prompt_token_ids"} each
     params: SamplingParams
     num_top: int = 0                  # chat: top_logprobs per token
+    echo_only: bool = False           # completions: echo with max_tokens=0 (prompt only)
+    tools: ToolPlan | None = None     # chat: what tool calls the answer may hold
 
 
 class Preparer:
@@ -51,10 +61,12 @@ class Preparer:
                  limits: ServerLimits, num_workers: int = 2) -> None:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.runner.vocab_size
         self.model_path = engine.config.model
         self.model_name = model_name
         self.chat_template = chat_template
         self.limits = limits
+        self.grammars = engine.grammars
         self.pool = concurrent.futures.ThreadPoolExecutor(num_workers,
                                                           thread_name_prefix="rung-prepare")
         # NOTE: requests with their own template wait here, one at a time (the renderer
@@ -73,6 +85,14 @@ class Preparer:
         executor = self.pool if req.chat_template is None else self.template_pool
         return await loop.run_in_executor(executor, self._chat, req)
 
+    async def tokenize(self, body: bytes) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, self._tokenize_body, body)
+
+    async def detokenize(self, body: bytes) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, self._detokenize_body, body)
+
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.template_pool.shutdown(wait=False, cancel_futures=True)
@@ -83,9 +103,60 @@ class Preparer:
         req = _parse(CompletionRequest, body, self.limits)
         self._check(req)
         prompts = [self._tokenize(p, "prompt") for p in completion_prompts(req)]
-        params = sampling_params(req, req.max_tokens, req.logprobs)
+        echo_only = req.echo and req.max_tokens == 0
+        if req.echo and req.stream:
+            raise BadRequest("echo=true with stream=true is not supported", "echo")
+        # NOTE: vLLM's way: echo without generation runs one step and drops its token
+        params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = req.logprobs
         self._check_length(prompts, params, "prompt")
-        return Prepared(req, prompts, params)
+        self._compile_grammar(req, params)
+        return Prepared(req, prompts, params, echo_only=echo_only)
+
+    def _tokenize_body(self, body: bytes) -> dict:
+        """vLLM's /tokenize answer: count, max_model_len, tokens (and token_strs)."""
+        req = _parse(TokenizeRequest, body, self.limits)
+        self._check_model(req.model)
+        tok = self._need_tokenizer("prompt" if req.messages is None else "messages")
+        if (req.prompt is None) == (req.messages is None):
+            raise BadRequest("send exactly one of prompt and messages", "prompt")
+        if req.prompt is not None:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            chat = ChatCompletionRequest(messages=req.messages)
+            try:
+                ids = apply_chat_template(tok, chat_messages(chat), self.chat_template,
+                                          req.add_generation_prompt,
+                                          self.model_path)["prompt_token_ids"]
+            except BadRequest:
+                raise
+            except Exception as e:  # noqa: BLE001 - the template's error is the client's
+                raise BadRequest(f"chat template failed: {type(e).__name__}: {e}",
+                                 "messages") from None
+        strs = [tok.decode([t], skip_special_tokens=False) for t in ids]
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": strs if req.return_token_strs else None}
+
+    def _detokenize_body(self, body: bytes) -> dict:
+        req = _parse(DetokenizeRequest, body, self.limits)
+        self._check_model(req.model)
+        tok = self._need_tokenizer("tokens")
+        bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is out of the vocabulary [0, "
+                             f"{self.vocab_size})", "tokens")
+        return {"prompt": tok.decode(req.tokens)}
+
+    def _need_tokenizer(self, field: str) -> Any:
+        if self.tokenizer is None:
+            raise BadRequest(f"model {self.model_path!r} has no tokenizer", field)
+        return self.tokenizer
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise HTTPError(404, f"The model `{model}` does not exist; this server "
+                            f"serves `{self.model_name}`", "model")
 
     def _parse_chat(self, body: bytes) -> ChatCompletionRequest:
         req = _parse(ChatCompletionRequest, body, self.limits)
@@ -94,13 +165,15 @@ class Preparer:
 
     def _chat(self, req: ChatCompletionRequest) -> Prepared:
         messages = chat_messages(req)
+        tools = plan(req.tools, req.tool_choice)
         try:
             if req.chat_template is not None:
                 prompt = self._render_request_template(req.chat_template, messages,
                                                        req.add_generation_prompt)
             else:
                 prompt = apply_chat_template(self.tokenizer, messages, self.chat_template,
-                                             req.add_generation_prompt, self.model_path)
+                                             req.add_generation_prompt, self.model_path,
+                                             tools=req.tools)
         except TemplateTimeout:
             raise BadRequest(f"chat_template did not render within "
                              f"{self.limits.chat_template_timeout_s} s "
@@ -122,7 +195,33 @@ class Preparer:
                 e.param = field
             raise
         self._check_length([prompt], params, "messages")
-        return Prepared(req, [prompt], params, num_top)
+        field = None
+        if tools is not None and tools.mode == "forced":
+            if params.structured_outputs is not None:
+                raise BadRequest("tool_choice forces a tool call: response_format / "
+                                 "structured_outputs cannot constrain the same output",
+                                 "tool_choice")
+            params.structured_outputs = StructuredOutputsParams(json=tools.schema)
+            field = "tools"
+        self._compile_grammar(req, params, field)
+        return Prepared(req, [prompt], params, num_top, tools=tools)
+
+    def _compile_grammar(self, req: Any, params: SamplingParams, field: str | None = None
+                         ) -> None:
+        """A bad schema / regex / grammar is the client's 400, found here (the compile is
+        cached: the engine's own submit finds it done)."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        field = field or ("response_format" if (req.model_extra or {}).get("response_format")
+                          is not None else "structured_outputs")
+        if self.tokenizer is None:
+            raise BadRequest(f"{field} needs a tokenizer; model {self.model_path!r} has none",
+                             field)
+        try:
+            self.grammars.compile(spec)
+        except ValueError as e:
+            raise BadRequest(str(e).replace("structured_outputs", field, 1), field) from None
 
     def _render_request_template(self, template: str, messages: list[dict],
                                  add_generation_prompt: bool) -> dict:
@@ -139,9 +238,7 @@ class Preparer:
         return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
 
     def _check(self, req: CompletionRequest | ChatCompletionRequest) -> None:
-        if req.model is not None and req.model != self.model_name:
-            raise HTTPError(404, f"The model `{req.model}` does not exist; this server "
-                            f"serves `{self.model_name}`", "model")
+        self._check_model(req.model)
         limits_mod.check(req, self.limits)
 
     def _tokenize(self, prompt: str | dict, field: str) -> dict:

@@ -83,14 +83,39 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # OpenAI's tool calls (rung.server.tools)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's extras
     add_generation_prompt: bool = True
     chat_template: str | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a ``prompt`` or chat ``messages`` (rendered by the server's
+    chat template)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # fields SamplingParams may grow (another wave adds them); the value that changes nothing
 _NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-            "min_p": 0.0, "logit_bias": None, "response_format": None, "tools": None,
+            "min_p": 0.0, "logit_bias": None, "tools": None,
             "tool_choice": None, "parallel_tool_calls": None, "length_penalty": 1.0}
 _IGNORED = {"user", "metadata", "store", "service_tier"}
 
@@ -108,8 +133,17 @@ def sampling_params(req: _Sampling, max_tokens: int | None, logprobs: int | None
     for name in ("temperature", "top_p", "top_k"):
         if getattr(req, name) is not None:
             kwargs[name] = getattr(req, name)
-    for name, value in (req.model_extra or {}).items():
-        if name in _IGNORED or value is None:
+    extra = req.model_extra or {}
+    response_format = extra.get("response_format")
+    if response_format is not None:
+        spec = structured_from_response_format(response_format)
+        if spec is not None:
+            if extra.get("structured_outputs") is not None:
+                raise BadRequest("response_format and structured_outputs both constrain the "
+                                 "output: send one", "response_format")
+            kwargs["structured_outputs"] = spec
+    for name, value in extra.items():
+        if name in _IGNORED or name == "response_format" or value is None:
             continue
         if name in fields and name != "output_kind":
             kwargs[name] = value
@@ -126,19 +160,42 @@ def sampling_params(req: _Sampling, max_tokens: int | None, logprobs: int | None
         raise BadRequest(str(e)) from None
 
 
+def structured_from_response_format(value: Any) -> dict | None:
+    """OpenAI's ``response_format`` -> vLLM's ``structured_outputs`` (None: free text).
+    ``json_schema.strict`` is accepted either way: the output always follows the schema."""
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise BadRequest(f"response_format={value!r} is invalid: must be an object with a "
+                         "type of 'text', 'json_object' or 'json_schema'", "response_format")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise BadRequest(f"response_format.type={kind!r} is invalid: must be 'text', "
+                         "'json_object' or 'json_schema'", "response_format")
+    spec = value.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise BadRequest("response_format.json_schema.schema is missing or not an object: "
+                         "send {'type': 'json_schema', 'json_schema': {'name': ..., "
+                         "'schema': {...}}}", "response_format")
+    return {"json": schema}
+
+
 def param_of(message: str) -> str | None:
     """The field an engine error names: 'SamplingParams.max_tokens=0 ...' -> max_tokens,
     'prompt has 9 tokens, ...' -> prompt."""
     if message.startswith("stop token id"):
         return "stop_token_ids"
+    if message.startswith("structured_outputs"):
+        return "structured_outputs"
     m = re.match(r"(?:SamplingParams\.)?(\w+)[= ]", message)
     return m.group(1) if m is not None else None
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | dict]:
     """OpenAI's four prompt shapes -> one engine prompt each."""
-    if req.echo:
-        raise BadRequest("echo=true is not supported", "echo")
     if req.suffix:
         raise BadRequest("suffix is not supported", "suffix")
     if req.best_of not in (None, req.n):
@@ -191,9 +248,11 @@ def error_body(message: str, code: int, param: str | None = None) -> dict[str, A
 
 
 # --- responses --------------------------------------------------------------------------------
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0
+          ) -> dict[str, Any]:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
 def completion_logprobs(c: CompletionOutput, text_offset: int) -> dict[str, Any] | None:
@@ -212,6 +271,29 @@ def completion_logprobs(c: CompletionOutput, text_offset: int) -> dict[str, Any]
         tops.append(top)
         offsets.append(text_offset)
         text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def echo_logprobs(prompt_ids: list[int], entries: list | None,
+                  decode: Any) -> dict[str, Any]:
+    """The prompt's part of an echoed completion's logprobs (lm-evaluation-harness reads
+    it): the first token has none; each later one its logprob and top alternatives."""
+    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+    for i, token_id in enumerate(prompt_ids):
+        entry = entries[i] if entries is not None and i < len(entries) else None
+        if entry is None:
+            text, lp, top = decode(token_id), None, None
+        else:
+            text, lp = _token_text(entry[token_id], token_id), entry[token_id].logprob
+            top = {}
+            for t, e in _by_rank(entry):
+                top.setdefault(_token_text(e, t), e.logprob)
+        tokens.append(text)
+        token_lps.append(lp)
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
 

@@ -15,6 +15,7 @@ from fastapi import Request
 
 from rung.server.engine_loop import EngineError, RequestAborted, RequestStream
 from rung.server.protocol import chat_logprobs, completion_logprobs, error_body, usage
+from rung.server.tools import ToolPlan, parse
 
 if TYPE_CHECKING:
     from rung.server.app import _Server
@@ -50,6 +51,7 @@ class Tracker:
         self.num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         self.choices = [Choice(i) for i in range(len(prompts) * n)]
         self.prompt_logprobs: dict[int, list] = {}     # prompt index -> vLLM's entries
+        self.num_cached: dict[str, int] = {}            # request id -> prefix-cache hit
         m = server.metrics
         m.prompt_tokens.labels(m.model_name).inc(self.num_prompt_tokens)
 
@@ -58,6 +60,8 @@ class Tracker:
 
     def seen(self, out) -> None:
         """Note what an output carries for the whole prompt (its prompt_logprobs)."""
+        if out.num_cached_tokens is not None:
+            self.num_cached[out.request_id] = out.num_cached_tokens
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[self.prompt_index[out.request_id]] = out.prompt_logprobs
 
@@ -89,7 +93,8 @@ class Tracker:
             m.e2e.labels(m.model_name).observe(time.perf_counter() - self.arrival)
 
     def usage(self) -> dict[str, int]:
-        return usage(self.num_prompt_tokens, sum(c.num_tokens for c in self.choices))
+        return usage(self.num_prompt_tokens, sum(c.num_tokens for c in self.choices),
+                     sum(self.num_cached.values()))
 
 
 # --- collecting and streaming -------------------------------------------------------------------
@@ -169,6 +174,7 @@ async def _events(stream: RequestStream, tracker: Tracker, head: dict, include_u
     usage_none = {"usage": None} if include_usage else {}
     try:
         async for out in stream:
+            tracker.seen(out)
             choices = []
             for c in out.outputs:
                 choice = tracker.choice(out.request_id, c.index)
@@ -212,11 +218,23 @@ def completion_events(stream: RequestStream, tracker: Tracker, head: dict,
 
 
 def chat_events(stream: RequestStream, tracker: Tracker, head: dict, include_usage: bool,
-                 num_top: int) -> AsyncIterator[str]:
+                 num_top: int, tools: ToolPlan | None = None) -> AsyncIterator[str]:
+    """With ``tools`` the text is held and the last delta carries the content or the
+    tool calls read out of it (a call is only known once its text has ended)."""
     def body(choice: Choice, c, first: bool) -> dict:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         delta["content"] = c.text if c is not None else ""
+        finish = choice.finish_reason
+        if tools is not None:
+            choice.text += delta["content"]
+            delta["content"] = ""
+            if finish is not None:
+                content, calls = parse(tools, choice.text)
+                delta["content"] = content
+                if calls:
+                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+                    finish = "tool_calls" if finish == "stop" else finish
         return {"index": choice.index, "delta": delta,
                 "logprobs": chat_logprobs(c, num_top) if c is not None else None,
-                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+                "finish_reason": finish, "stop_reason": choice.stop_reason}
     return _events(stream, tracker, head, include_usage, body, announce=True)

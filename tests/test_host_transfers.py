@@ -16,7 +16,12 @@ WORKLOADS = {"greedy": ("tiny-llama", None, {"temperature": 0}),
              "ngram-greedy": ("tiny-llama", NGRAM, {"temperature": 0}),
              "ngram-sampled": ("tiny-llama", NGRAM, {**SAMPLED, "logprobs": 2}),
              "mtp-greedy": ("tiny-gemma4", MTP, {"temperature": 0}),
-             "mtp-sampled": ("tiny-gemma4", MTP, SAMPLED)}
+             "mtp-sampled": ("tiny-gemma4", MTP, SAMPLED),
+             # the grammar's bitmask goes host -> device: still one conversion back
+             "structured-sampled": ("tiny-llama", None,
+                                    {**SAMPLED, "structured_outputs": {"regex": "[a-z ]+"}}),
+             "structured-ngram": ("tiny-llama", NGRAM,
+                                  {**SAMPLED, "structured_outputs": {"regex": "(ab|cd)+"}})}
 
 
 def _prompts(num: int) -> list[list[int]]:

@@ -57,14 +57,15 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, tmp_path, *flags: str, fault: bool = False) -> None:
+    def __init__(self, tmp_path, *flags: str, fault: bool = False, model: str = MODEL,
+                 max_model_len: int = MAX_MODEL_LEN) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         code = ["-c", _SERVE_WITH_FAULT] if fault else ["-m", "rung.cli.main"]
         self.log = open(tmp_path / f"server-{self.port}.log", "w+")
         self.proc = subprocess.Popen(
-            [sys.executable, *code, "serve", "--model", MODEL, "--enforce-eager",
-             "--max-model-len", str(MAX_MODEL_LEN), "--port", str(self.port), *flags],
+            [sys.executable, *code, "serve", "--model", model, "--enforce-eager",
+             "--max-model-len", str(max_model_len), "--port", str(self.port), *flags],
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while True:

@@ -5,6 +5,7 @@ One step: schedule -> (data parallel: sync) -> execute -> commit -> outputs -> p
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import functools
 import logging
@@ -28,6 +29,7 @@ from rung.runtime.sched.kv_cache_manager import KVCacheManager
 from rung.runtime.sched.request import Request
 from rung.runtime.sched.scheduler import Scheduler, SchedulerOutput
 from rung.runtime.spec.proposer import SpecStats
+from rung.runtime.structured import GrammarCompiler
 from rung.runtime.thread_policy import apply_thread_policy
 from rung.runtime.worker.kernel_warmup import sweep_attention_shapes
 from rung.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -69,6 +71,12 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self._parallel = ParallelSampling()
         self._requeued: list[RequestOutput] = []     # returned first by the next step()
+        # structured outputs: requests held out of the scheduler until their grammar compiles
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.runner.vocab_size,
+            [t for t in [self.inputs.eos_token_id, *self.loaded.generation_stop_ids]
+             if t is not None])
+        self._compiling: list[Request] = []
         self.proposer = make_proposer(config, self.runner) if config.speculative else None
         self.spec_stats = SpecStats(config.num_spec_tokens) if config.speculative else None
         self._dp_engine = (EngineDataParallel(self.dp, config, self.runner, self.proposer,
@@ -102,6 +110,10 @@ class LLMEngine:
         if request_id in self.requests or request_id in self._parallel:
             raise ValueError(f"request_id {request_id!r} is already in use")
         got = self.inputs.process(prompt, params)
+        spec = got.params.structured_outputs
+        if spec is not None and self.tokenizer is None:
+            raise ValueError(f"structured_outputs need a tokenizer; model {self.config.model!r} "
+                             "has none")
         parent = ParentRequest(request_id, got.params) if params.n > 1 else None
         samples = ([(request_id, got.params)] if parent is None else
                    [(cid, parent.child_params(got.params, i))
@@ -115,7 +127,11 @@ class LLMEngine:
         for req in reqs:
             self._arrivals += 1
             self.requests[req.request_id] = req
-            self.scheduler.add_request(req)
+            if spec is None:
+                self.scheduler.add_request(req)
+            else:
+                req.grammar = self.grammars.request_grammar(spec)
+                self._compiling.append(req)
 
     def abort_request(self, request_id: RequestId) -> None:
         """Finish a request (every sample of an ``n > 1`` one) as "abort"; an id that names
@@ -151,7 +167,8 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Requests still running or waiting, or outputs still to be returned by step()."""
-        return self.scheduler.has_unfinished() or bool(self._requeued)
+        return (self.scheduler.has_unfinished() or bool(self._requeued)
+                or bool(self._compiling))
 
     def requeue_outputs(self, outputs: list[RequestOutput]) -> None:
         """Outputs a caller took from ``step()`` but does not own (``LLM.generate`` stepping
@@ -175,9 +192,10 @@ class LLMEngine:
         startup = self.graph_startup
         if startup is not None and not startup.all_live:
             startup.advance()
+        outputs = self._admit_compiled() if self._compiling else []
         sched = self.scheduler.schedule()
-        outputs = [self._finish(req, "error", self._never_fits(req))
-                   for req in sched.errored]
+        outputs += [self._finish(req, "error", self._never_fits(req))
+                    for req in sched.errored]
         self._stats.counts["preemptions"] += len(sched.preempted)
         dp_step = None
         if self._dp_engine is not None:
@@ -203,6 +221,26 @@ class LLMEngine:
         if self._requeued:
             outputs, self._requeued = self._requeued + outputs, []
         self.num_finished_outputs += sum(out.finished for out in outputs)
+        return outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar has compiled (finish those whose grammar failed);
+        with nothing else to run, wait a little for one rather than spin."""
+        if not self.scheduler.has_unfinished() and not any(r.grammar.ready
+                                                           for r in self._compiling):
+            concurrent.futures.wait([r.grammar.future for r in self._compiling],
+                                    timeout=0.05,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        outputs, waiting = [], []
+        for req in self._compiling:
+            if not req.grammar.ready:
+                waiting.append(req)
+            elif req.grammar.error is not None:
+                outputs.append(self._finish(req, "error", req.grammar.error))
+            else:
+                req.grammar.start(req.output_token_ids)
+                self.scheduler.add_request(req)
+        self._compiling = waiting
         return outputs
 
     def _commit(self, sched: SchedulerOutput, result: ModelRunnerOutput
@@ -253,6 +291,8 @@ class LLMEngine:
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
         req.error = error
+        if req in self._compiling:
+            self._compiling.remove(req)
         self.scheduler.finish(req, reason)
         self._stats.counts[f"finished_{req.finish_reason}"] += 1
         out = self.outputs.make_output(req)

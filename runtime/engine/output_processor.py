@@ -101,4 +101,4 @@ class OutputProcessor:
         if req.is_finished:
             self._prompt_logprobs.pop(req.request_id, None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                             req.is_finished, prompt_lps)
+                             req.is_finished, prompt_lps, req.num_cached_tokens)

@@ -24,6 +24,7 @@ from rung.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from rung.runtime.sched.kv_cache_manager import KVCacheManager
+    from rung.runtime.structured import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -78,6 +79,9 @@ class Request:
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.num_preemptions = 0
+        self.num_cached_tokens: int | None = None   # prefix-cache hit at first admission
+        # structured outputs: the matcher, set by the engine (None: unconstrained)
+        self.grammar: RequestGrammar | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -96,6 +100,8 @@ class Request:
     def start(self) -> None:
         """Admitted: it holds KV blocks for this step's tokens."""
         self._require(RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = self.num_computed_tokens
         self.status = RequestStatus.RUNNING
 
     def commit(self, tokens: list[int], num_computed: int, kv: KVCacheManager,
@@ -116,6 +122,8 @@ class Request:
             self.num_output_tokens += 1
             num_kept += 1
             reason = stop_reason(token)
+            if self.grammar is not None and self.grammar.accept(token) and reason is None:
+                reason = "stop"                  # the grammar has ended
             if reason is not None:
                 break
         computed = self.num_computed_tokens + num_computed

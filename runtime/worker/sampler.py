@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from rung.runtime.sched.request import Request
+from rung.runtime.structured import apply_bitmask
 
 _EPS = 1e-5                    # temperature below it: greedy (vLLM's _SAMPLING_EPS)
 _MASK64 = (1 << 64) - 1
@@ -85,6 +86,9 @@ class SamplingBatch:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None   # (rows, token ids): min_tokens
     penalties: Penalties | None = None
     all_greedy: bool = True
+    # structured outputs: [num_rows, ceil(vocab / 32)] int32, a row's allowed tokens as set
+    # bits (all set on a free row); None when no request in the batch has a grammar
+    bitmask: torch.Tensor | None = None
 
     @classmethod
     def build(cls, reqs: list[Request], drafts: list[list[int]], engine_seed: int,
@@ -104,7 +108,21 @@ class SamplingBatch:
                     to_device(device, rows), [r.params.logprobs for r in reqs])
         if not all(r.argmax_only for r in reqs):         # NOTE: the one check
             _add_sampling(batch, reqs, drafts, engine_seed, vocab_size, device)
+        if any(r.grammar is not None for r in reqs):
+            batch.bitmask = _bitmask(reqs, drafts, starts, len(row_req), vocab_size, device)
         return batch
+
+
+def _bitmask(reqs: list[Request], drafts: list[list[int]], starts: np.ndarray,
+             num_rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Each constrained request's allowed tokens at each of its rows, the matcher advanced
+    along its drafts (`RequestGrammar.fill_along`): a draft is then accepted exactly when
+    the masked target takes it, as without speculation."""
+    mask = np.full((num_rows, (vocab_size + 31) // 32), -1, dtype=np.int32)
+    for req, start, req_drafts in zip(reqs, starts.tolist(), drafts):
+        if req.grammar is not None:
+            req.grammar.fill_along(mask, start, req_drafts)
+    return to_device(device, mask)
 
 
 def _add_sampling(batch: SamplingBatch, reqs: list[Request], drafts: list[list[int]],
@@ -265,6 +283,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logits [R, V] -> tokens [R] int64 (row r: the target's sample at its position)."""
+        if batch.bitmask is not None:
+            logits = apply_bitmask(logits, batch.bitmask)
         if batch.argmax:
             return logits.argmax(dim=-1)
         logits = processed_logits(logits, batch)
