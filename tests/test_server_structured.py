@@ -166,8 +166,11 @@ def test_tokenize_and_detokenize_as_vllm_shapes_them(server):
 
 
 def test_echo_with_logprobs_and_max_tokens_0_gives_the_prompts_logprobs(server):
-    """lm-evaluation-harness's local-completions loglikelihood request: the prompt's token
-    logprobs match what the model assigns when it generates those tokens greedily."""
+    """lm-evaluation-harness's local-completions loglikelihood request: the echoed prompt's
+    token logprobs are the engine's own prompt logprobs for those tokens (the embedded
+    API's ``prompt_logprobs``, the same weights in the same process kind)."""
+    from rung import LLM, SamplingParams
+
     client = server.client()
     prompt = "The capital of France is"
     greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3,
@@ -180,12 +183,19 @@ def test_echo_with_logprobs_and_max_tokens_0_gives_the_prompts_logprobs(server):
     lps = c.logprobs
     assert lps.token_logprobs[0] is None and all(
         isinstance(x, float) for x in lps.token_logprobs[1:])
-    num_gen = len(greedy.choices[0].logprobs.token_logprobs)
-    # the generated tokens re-scored as prompt: same logprobs, each the top-1 (greedy)
-    for want, have, top in zip(greedy.choices[0].logprobs.token_logprobs,
-                               lps.token_logprobs[-num_gen:], lps.top_logprobs[-num_gen:]):
-        assert abs(want - have) < 1e-3
-        assert abs(max(top.values()) - have) < 1e-6
+    # NOTE: not compared with the logprobs the greedy decode gave these tokens: a quantized
+    # model (smollm2's default) rounds its activations to int8, so the prefill's and the
+    # decode's attention, equal to float rounding, can round an activation apart (0.04 nats
+    # here); the oracle is the engine scoring the same prompt
+    llm = LLM(MODEL, enforce_eager=True, max_model_len=512)
+    ids = llm.get_tokenizer().encode(full)
+    (ref,) = llm.generate([{"prompt_token_ids": ids}],
+                          SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    assert len(lps.token_logprobs) == len(ids)
+    for pos, (have, top) in enumerate(zip(lps.token_logprobs[1:], lps.top_logprobs[1:]), 1):
+        want = ref.prompt_logprobs[pos]
+        assert abs(want[ids[pos]].logprob - have) < 1e-4
+        assert abs(max(top.values()) - max(lp.logprob for lp in want.values())) < 1e-4
     assert got.usage.completion_tokens == 0
     assert got.usage.prompt_tokens == len(lps.tokens)
     echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True,
