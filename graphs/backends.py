@@ -35,7 +35,7 @@ def make_capture_backend(name: str, device: torch.device,
     if name == "cuda":
         if device.type != "cuda":
             raise ValueError(f"graph_backend 'cuda' needs a CUDA device, got {device}")
-        return CudaGraphBackend()
+        return CudaGraphBackend(poison_hook=poison_hook)
     if name == "emulated":
         return EmulatedGraphBackend(poison_hook)
     if name == "compiled":

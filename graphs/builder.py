@@ -69,6 +69,7 @@ class GraphBuilder:
         self._prefetch_failed = False
         self._polled = float("-inf")
         self._worker: _Worker | None = None
+        self._stepped = False            # a step has followed an advance
         if off_thread and manager.builds_off_thread:
             keys = [k for k in self.pending if k.mode == CUDAGraphMode.FULL]
             if keys:
@@ -99,6 +100,11 @@ class GraphBuilder:
             if not self._worker.finished:
                 return None
             self._worker = None      # NOTE: what it left (not built yet): on this thread
+        if stepping and not self._stepped:
+            # NOTE: the first step of a background start runs no capture (nor the trace a
+            # capture may start): its batch is a user's first request, served eagerly
+            self._stepped = True
+            return None
         if not self.pending:
             if not may_compile and self._prefetching():
                 return None      # NOTE: it compiles the drafter's artifacts too: bind those
@@ -110,7 +116,16 @@ class GraphBuilder:
         if key is None:
             return None
         self.pending.remove(key)
-        return self._went_live(self.manager.capture(key))
+        try:
+            record = self.manager.capture(key)
+        except Exception as e:  # noqa: BLE001 - one size lost, serving goes on eagerly
+            logger.warning("graph %s %d does not go live: capture failed: %s: %s; batches "
+                           "of its size run eagerly", key.mode.name, key.num_tokens_padded,
+                           type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            if self.done:
+                self._finish()
+            return None
+        return self._went_live(record)
 
     def _missed(self) -> BatchExecutionDescriptor | None:
         """The pending graph the last batch ran eagerly for want of, if any."""

@@ -108,6 +108,10 @@ class EmulatedGraphBackend:
     static buffers), and an optional poison hook run before every replay."""
 
     name = "emulated"
+    # start-up policy (read by GraphStartup and GraphManager; a test may force CUDA's):
+    # what graph_startup="auto" means, and whether captures stay on the serving thread
+    auto_startup = "blocking"        # the tests' oracle: every graph live before serving
+    serving_thread_captures = False
 
     def __init__(self, poison_hook: Callable[[], None] | None = None) -> None:
         self.poison_hook = poison_hook
@@ -125,12 +129,20 @@ class EmulatedGraphBackend:
 
 
 class CudaGraph(CapturedGraph):
-    def __init__(self, graph: torch.cuda.CUDAGraph, static_inputs, outputs, nbytes) -> None:
+    """A captured CUDA graph. ``poison``, set in debug mode: a replay first checks that its
+    inputs are the capture's (a Python compare per input: debug mode only), then garbles
+    their pad rows, as an emulated replay does."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, static_inputs, outputs, nbytes,
+                 poison: Callable[[], None] | None = None) -> None:
         super().__init__(static_inputs, outputs, nbytes)
         self.graph = graph
+        self.poison = poison
 
     def replay(self, inputs):
-        self.check_inputs(inputs)
+        if self.poison is not None:
+            self.check_inputs(inputs)
+            self.poison()
         self.graph.replay()
         return self.outputs
 
@@ -184,8 +196,14 @@ class CudaGraphBackend:
     """
 
     name = "cuda"
+    # NOTE: "auto" starts in the background (a capture costs the serving thread ms, not
+    # the seconds a CPU compile does), and every capture runs on the serving thread,
+    # ordered with the serving stream (it writes the runner's input buffers)
+    auto_startup = "background"
+    serving_thread_captures = True
 
-    def __init__(self, pool=None) -> None:
+    def __init__(self, pool=None, poison_hook: Callable[[], None] | None = None) -> None:
+        self.poison_hook = poison_hook
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream()
         self.meter = PoolMeter(_reserved_after_emptying,
@@ -198,10 +216,16 @@ class CudaGraphBackend:
 
     def capture(self, fn: Callable[..., Outputs], inputs: Sequence) -> CapturedGraph:
         self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            fn(*inputs)                                   # warm-up, on the capture stream
-        self.stream.synchronize()
-        captured = self.meter.measure(lambda: self._capture(fn, inputs))
+        try:
+            with torch.cuda.stream(self.stream):
+                fn(*inputs)                               # warm-up, on the capture stream
+            self.stream.synchronize()
+            captured = self.meter.measure(lambda: self._capture(fn, inputs))
+        except BaseException:
+            # NOTE: a failed capture is dropped and serving goes on (GraphBuilder): the
+            # serving stream must still see whatever the capture stream wrote
+            torch.cuda.current_stream().wait_stream(self.stream)
+            raise
         captured.num_kernel_nodes = self._count_nodes(captured.graph)
         return captured
 
@@ -219,7 +243,7 @@ class CudaGraphBackend:
                 gc.enable()
         graph.instantiate()
         torch.cuda.current_stream().wait_stream(self.stream)
-        return CudaGraph(graph, inputs, outputs, 0)
+        return CudaGraph(graph, inputs, outputs, 0, self.poison_hook)
 
     def _count_nodes(self, graph: torch.cuda.CUDAGraph) -> int | None:
         try:

@@ -116,6 +116,10 @@ class GraphManager:
                                                     artifact_cache, compile_threads)
         self.compiled = (compile_model(runner.model, self, piece_compiler)
                          if mode.has_piecewise() else None)
+        # NOTE: a FULL capture runs the torch.compile wrapper only when it brings compiled
+        # pieces (inductor); with eager pieces it would only add dynamo's trace of the whole
+        # model (and a retrace once size 1 specialises) to the first FULL captures
+        self._full_through_compiled = self.compiled is not None and piece_compiler == "inductor"
         # NOTE: a CUDA or compiled FULL replay runs captured kernels on the inputs it was
         # captured with and reads no forward context; an emulated one re-runs the forward,
         # and the debug poison hook reads the replay's descriptor from the context
@@ -172,8 +176,7 @@ class GraphManager:
         CPU graphs, compiled or emulated, of a mode without PIECEWISE pieces (their
         torch.compile wrapper traces the model at its first call). A CUDA capture stays
         on the serving thread, ordered with the serving stream."""
-        return self.compiled is None and not isinstance(self.capture_backend,
-                                                        CudaGraphBackend)
+        return self.compiled is None and not self.capture_backend.serving_thread_captures
 
     def build(self, key: BatchExecutionDescriptor,
               pause: Callable[[], None] | None = None) -> ReadyGraph:
@@ -432,7 +435,9 @@ class GraphManager:
                       *metadata: torch.Tensor) -> torch.Tensor:
         # NOTE: metadata tensors are passed only so replay checks their identity; the
         # attention ops read them through the forward context.
-        return self._forward_fn(ids, positions)
+        if self._full_through_compiled:
+            return self.compiled(ids, positions)
+        return self.runner.model(ids, positions)
 
     def _model_forward(self, ids: torch.Tensor, positions: torch.Tensor,
                        *metadata: torch.Tensor) -> torch.Tensor:

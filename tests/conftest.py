@@ -32,3 +32,15 @@ def debug_padding(request, monkeypatch):
     """
     monkeypatch.setenv("RUNG_DEBUG_PADDING", "1" if request.param else "0")
     return request.param
+
+
+@pytest.fixture(scope="session", autouse=True)
+def graphs_live_before_tests_assert():
+    """On CUDA, graph_startup="auto" starts in the background: an engine a test builds
+    would serve eagerly while its graphs go live, and its replay assertions would prove
+    nothing. The suite's engines start with every graph live, as the emulated ones do."""
+    from rung.graphs.capture import CudaGraphBackend
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CudaGraphBackend, "auto_startup", "blocking")
+        yield

@@ -164,8 +164,8 @@ class GraphStartup:
             after = functools.partial(proposer.capture_all, graphs, progress)
         startup = config.compilation.graph_startup
         if startup == "auto":
-            blocking = data_parallel or graphs.capture_backend.name == "emulated"
-            startup = "blocking" if blocking else "background"
+            # NOTE: data parallel ranks must agree on the graphs they replay
+            startup = "blocking" if data_parallel else graphs.capture_backend.auto_startup
         prefetch = None
         # NOTE: no subprocess when the disk cache holds every artifact already (a warm
         # start): it would build a whole engine beside the serving one to compile nothing.
