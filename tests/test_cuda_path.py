@@ -148,3 +148,22 @@ def test_the_cuda_backend_is_built_with_the_poison_hook(monkeypatch):
     assert isinstance(backend, CudaGraphBackend) and backend.poison_hook is hook
     assert make_capture_backend("cuda", torch.device("cuda"), None).poison_hook is None
 
+
+def test_torch_attention_leaves_the_null_block_unchanged_for_pad_rows():
+    """Pad rows carry garbage keys (a PIECEWISE capture's piece outputs are never
+    computed): their write must leave slot 0 of the null block as it was."""
+    from rung.kernels.torch_backend import write_kv
+
+    gen = torch.Generator().manual_seed(0)
+    kv_cache = torch.randn(2, 4, 8, 2, 16, generator=gen)     # [K/V, blocks, block, heads, dim]
+    before = kv_cache.clone()
+    key = torch.randn(5, 2, 16, generator=gen)
+    value = torch.randn(5, 2, 16, generator=gen)
+    key[3:], value[3:] = float("nan"), float("nan")            # two pad rows
+    slot_mapping = torch.tensor([9, 10, 17, -1, -1])
+    write_kv(kv_cache, key, value, slot_mapping)
+    assert torch.equal(kv_cache[:, 0], before[:, 0])          # the null block
+    flat = kv_cache.flatten(1, 2)
+    assert torch.equal(flat[0, [9, 10, 17]], key[:3]) and torch.equal(flat[1, [9, 10, 17]],
+                                                                      value[:3])
+    assert not kv_cache.isnan().any()
