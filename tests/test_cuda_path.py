@@ -167,3 +167,9 @@ def test_torch_attention_leaves_the_null_block_unchanged_for_pad_rows():
     assert torch.equal(flat[0, [9, 10, 17]], key[:3]) and torch.equal(flat[1, [9, 10, 17]],
                                                                       value[:3])
     assert not kv_cache.isnan().any()
+
+
+def test_compiled_cpu_graphs_are_refused_on_cuda():
+    with pytest.raises(ValueError, match="graph_backend 'compiled' is for CPU graphs, got "
+                                         "device cuda"):
+        make_capture_backend("compiled", torch.device("cuda"), None)
