@@ -51,7 +51,7 @@ install() {
     echo "pip install failed: falling back to a path shim (no console script; stages use"
     echo "'python -m rung.cli.main')"
     mkdir -p "$OUT_DIR/shim/rung"
-    for p in core runtime graphs kernels models bench; do
+    for p in core runtime graphs kernels models bench cli server; do
       ln -sfn "$PWD/$p" "$OUT_DIR/shim/rung/$p"
     done
     echo "$OUT_DIR/shim" >"$OUT_DIR/pythonpath"

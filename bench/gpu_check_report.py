@@ -147,6 +147,18 @@ def _switch_rows(switch: dict) -> list[str]:
     return rows
 
 
+def _sync_rows(host_syncs: dict) -> list[str]:
+    rows = [f"{'workload':<16} {'steps':>5} {'conv worst':>10} {'conv mean':>9} "
+            f"{'sync worst':>10} {'sync mean':>9}"]
+    for name, r in host_syncs.items():
+        conv, syncs = r["conversions_per_step"], r["cuda_syncs_per_step"]
+        n = max(len(conv), 1)
+        rows.append(f"{name:<16} {len(conv):>5} {max(conv, default=0):>10} "
+                    f"{sum(conv) / n:>9.2f} {max(syncs, default=0):>10} "
+                    f"{sum(syncs) / n:>9.2f}")
+    return rows
+
+
 def _load(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -163,20 +175,21 @@ def cmd_summary(out_dir: str) -> int:
         print(f"{s['stage']:<12} {s['verdict']:<12} {s['seconds']:>5} {s['limit_s']:>5}  "
               f"{s['pytest'] or ''}")
     print(f"total {sum(s['seconds'] for s in stages)} s")
-    versions, warmup, switch, latency = (
+    versions, warmup, switch, syncs, latency = (
         _load(out / n) for n in ("versions.json", "warmup.json", "live_switch.json",
-                                 "latency.json"))
+                                 "host_syncs.json", "latency.json"))
     if versions and versions.get("flash_attn") is None:
         print("flash-attn: not installed, so its tests skip (reasons in kernels.log)")
     for title, data, rows in (("capture", warmup, _capture_rows),
                               ("capture between steps (background start)", switch,
                                _switch_rows),
+                              ("host syncs per step", syncs, _sync_rows),
                               ("latency (bf16)", latency, _latency_rows)):
         if data is not None:
             print(f"\n----- {title}")
             print("\n".join(rows(data)))
     report = {"stages": stages, "versions": versions, "warmup": warmup,
-              "live_switch": switch, "latency": latency}
+              "live_switch": switch, "host_syncs": syncs, "latency": latency}
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     print(f"\nJSON: {out / 'gpu_check.json'}")
     return 0 if all(s["verdict"] in ("PASS", "SKIPPED") for s in stages) else 1

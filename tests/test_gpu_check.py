@@ -78,3 +78,25 @@ def test_rung_imports_from_the_install(dry_run):
                          capture_output=True, text=True, cwd="/", env=env)
     assert got.returncode == 0, got.stderr
     assert got.stdout.strip().startswith(str(src if not shim else shim)), got.stdout
+
+
+def test_the_summary_reports_host_syncs(tmp_path):
+    (tmp_path / "stages.tsv").write_text("host-syncs\t0\t12\t20\n")
+    (tmp_path / "host_syncs.json").write_text(json.dumps(
+        {"sampled": {"conversions_per_step": [3, 1], "cuda_syncs_per_step": [2, 0],
+                     "by_kind": {}}}))
+    proc = subprocess.run([sys.executable, "bench/gpu_check_report.py", "summary",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "host syncs per step" in proc.stdout
+    assert "sampled" in proc.stdout.split("host syncs per step")[1]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["host_syncs"]["sampled"]["cuda_syncs_per_step"] == [2, 0]
+
+
+def test_the_install_fallback_shim_links_every_package():
+    script = (ROOT / "bench" / "gpu_check.sh").read_text()
+    line = next(ln for ln in script.splitlines() if ln.strip().startswith("for p in "))
+    linked = set(line.split(" in ", 1)[1].split(";")[0].split())
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    assert packages <= linked, packages - linked
