@@ -274,7 +274,7 @@ class GraphManager:
         self._traced_at = None
         compiled_s = load_s = artifact = None
         ids, positions, ctx = self.runner.dummy_batch(desc)
-        with forward_context(ctx):
+        with forward_context(ctx), self.capture_backend.capture_batch() as batch:
             if desc.mode == CUDAGraphMode.PIECEWISE:
                 self._piece_bytes, self._piece_nodes = 0, None
                 self.capturing = True
@@ -290,6 +290,8 @@ class GraphManager:
                     artifact = graph.artifact_key
                 self.full_graphs[(TARGET, desc)] = graph
                 nbytes, nodes = graph.nbytes, graph.num_kernel_nodes
+        if batch.nbytes is not None:          # CUDA: what the key's captures added
+            nbytes = batch.nbytes
         if self._traced_at is not None:
             # NOTE: tracing happens once (or on a recompile); charging it to the graph
             # that happened to trigger it would make that size look slow forever.

@@ -2,6 +2,7 @@
 CUDA's start-up policy (captures on the serving thread, "auto" in the background), a
 capture that raises, and a CUDA graph object faked around its replay."""
 
+import contextlib
 import logging
 
 import pytest
@@ -173,3 +174,66 @@ def test_compiled_cpu_graphs_are_refused_on_cuda():
     with pytest.raises(ValueError, match="graph_backend 'compiled' is for CPU graphs, got "
                                          "device cuda"):
         make_capture_backend("compiled", torch.device("cuda"), None)
+
+
+class _FakeCuda:
+    """What CudaGraphBackend calls of torch.cuda, counted; a capture allocates 100 bytes
+    in the pool."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.reserved = 1000
+
+    def install(self, monkeypatch) -> None:
+        cuda, fake = capture_mod.torch.cuda, self
+
+        class Graph:
+            def __init__(self, keep_graph=False):
+                pass
+
+            def capture_begin(self, pool):
+                fake.calls.append(f"capture_begin {pool}")
+
+            def capture_end(self):
+                fake.calls.append("capture_end")
+                fake.reserved += 100
+
+            def instantiate(self):
+                pass
+
+            def replay(self):
+                fake.calls.append("replay")
+
+        class Stream:
+            def wait_stream(self, other):
+                pass
+
+            def synchronize(self):
+                fake.calls.append("stream.synchronize")
+
+        for name, value in {
+                "graph_pool_handle": lambda: (7, 0), "Stream": Stream, "CUDAGraph": Graph,
+                "stream": lambda s: contextlib.nullcontext(), "current_stream": Stream,
+                "synchronize": lambda: self.calls.append("synchronize"),
+                "empty_cache": lambda: self.calls.append("empty_cache"),
+                "memory_reserved": lambda: self.reserved,
+                "memory_snapshot": lambda: []}.items():
+            monkeypatch.setattr(cuda, name, value)
+
+
+def test_a_piecewise_sizes_captures_stall_once_and_share_one_pool(monkeypatch):
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    backend = CudaGraphBackend()
+    inputs = (torch.ones(4),)
+    with backend.capture_batch() as batch:
+        graphs = [backend.capture(lambda x: x * 2, inputs) for _ in range(3)]   # 3 pieces
+    stalls = [c for c in fake.calls if c in ("synchronize", "empty_cache",
+                                             "stream.synchronize")]
+    assert stalls == ["synchronize", "empty_cache"] * 2     # one reading before, one after
+    assert fake.calls.count("capture_begin (7, 0)") == 3    # every piece in the one pool
+    assert batch.nbytes == 300 and backend.meter.per_graph == [300]
+    assert all(torch.equal(g.outputs, inputs[0] * 2) for g in graphs)
+    fake.calls.clear()
+    alone = backend.capture(lambda x: x + 1, inputs)         # a drafter's graph: its own
+    assert alone.nbytes == 100 and fake.calls.count("synchronize") == 2
