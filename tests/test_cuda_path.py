@@ -14,7 +14,9 @@ from rung.graphs.capture import CudaGraph, CudaGraphBackend, EmulatedGraphBacken
 from rung.graphs.manager import GraphManager
 from rung.runtime import LLM, SamplingParams
 
-KWARGS = dict(max_num_seqs=4, max_model_len=64, num_gpu_blocks_override=32, dtype="float32")
+# NOTE: on CPU on every machine: these hold the CUDA policy on the emulated backend
+KWARGS = dict(max_num_seqs=4, max_model_len=64, num_gpu_blocks_override=32, dtype="float32",
+              device="cpu")
 PROMPTS = [[1, 72, 105, 33], [1, 5, 9, 200, 17, 3, 41, 8, 77], [1, 300], [1, 7, 7, 7, 2]]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SIZES = [1, 2, 4]
