@@ -92,9 +92,19 @@ def read_stages(out: Path) -> list[dict]:
     for line in (out / "stages.tsv").read_text().splitlines():
         name, rc, seconds, limit = line.split("\t")
         verdict = STAGE_VERDICTS.get(rc, f"FAIL rc={rc}")
-        stages.append({"stage": name, "verdict": verdict, "seconds": int(seconds),
-                       "limit_s": int(limit), "log": f"{name}.log",
-                       "pytest": _pytest_counts(out / f"{name}.log")})
+        stage = {"stage": name, "verdict": verdict, "seconds": int(seconds),
+                 "limit_s": int(limit), "log": f"{name}.log",
+                 "pytest": _pytest_counts(out / f"{name}.log")}
+        devices = _load(out / f"{name}.devices.json")
+        if devices is not None:
+            # NOTE: a test that passed without touching the GPU is no GPU pass
+            stage["gpu_passed"] = len(devices["gpu"])
+            stage["cpu_only_passed"] = devices["cpu_only"]
+            stage["pytest"] = (f"{stage['pytest'] or ''}: {len(devices['gpu'])} on the GPU, "
+                               f"{len(devices['cpu_only'])} CPU-only").lstrip(": ")
+            if verdict == "PASS" and not devices["gpu"]:
+                stage["verdict"] = "NO GPU TEST"
+        stages.append(stage)
     return stages
 
 

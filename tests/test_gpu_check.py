@@ -2,6 +2,7 @@
 torch (no index, no deps, no build isolation), leaves torch alone, and prints its plan."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -100,3 +101,32 @@ def test_the_install_fallback_shim_links_every_package():
     linked = set(line.split(" in ", 1)[1].split(";")[0].split())
     packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
     assert packages <= linked, packages - linked
+
+
+def test_tests_that_never_touched_the_gpu_are_not_counted_as_gpu_passes(tmp_path):
+    (tmp_path / "stages.tsv").write_text("graph-tests\t0\t50\t95\nkernels\t0\t40\t90\n")
+    (tmp_path / "graph-tests.log").write_text("cmd\n3 passed in 9.0s\n")
+    (tmp_path / "graph-tests.devices.json").write_text(json.dumps(
+        {"gpu": ["tests/a.py::t1", "tests/a.py::t2"], "cpu_only": ["tests/b.py::t3"]}))
+    (tmp_path / "kernels.devices.json").write_text(json.dumps(
+        {"gpu": [], "cpu_only": ["tests/k.py::t"]}))
+    proc = subprocess.run([sys.executable, "bench/gpu_check_report.py", "summary",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    stages = {s["stage"]: s for s in
+              json.loads((tmp_path / "gpu_check.json").read_text())["stages"]}
+    assert stages["graph-tests"]["gpu_passed"] == 2
+    assert stages["graph-tests"]["cpu_only_passed"] == ["tests/b.py::t3"]
+    assert "2 on the GPU, 1 CPU-only" in proc.stdout
+    assert stages["kernels"]["verdict"] == "NO GPU TEST" and proc.returncode == 1
+
+
+def test_the_suite_lists_which_passing_tests_touched_the_device(tmp_path):
+    report = tmp_path / "devices.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "tests/test_cuda_path.py::test_compiled_cpu_graphs_are_refused_on_cuda"],
+        cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, "RUNG_DEVICE_TEST_REPORT": str(report)})
+    assert proc.returncode == 0, proc.stdout
+    test = "tests/test_cuda_path.py::test_compiled_cpu_graphs_are_refused_on_cuda"
+    assert json.loads(report.read_text()) == {"gpu": [], "cpu_only": [test]}
