@@ -55,11 +55,14 @@ class Prefetch(Protocol):
 class GraphBuilder:
     def __init__(self, manager: GraphManager, after: Callable[[], None] | None = None,
                  progress: Callable[[CaptureRecord], None] | None = None,
-                 prefetch: Prefetch | None = None, off_thread: bool = False) -> None:
+                 prefetch: Prefetch | None = None, off_thread: bool = False,
+                 largest_first: bool = False) -> None:
         """``off_thread``: FULL graphs are built by a worker thread (``_Worker``), where
-        the manager can (``builds_off_thread``)."""
+        the manager can (``builds_off_thread``); ``largest_first``: each mode's sizes are
+        captured largest first (a blocking CUDA start: smaller graphs reuse the pool
+        blocks larger ones freed)."""
         self.manager = manager
-        self.pending = _build_order(manager.dispatcher.capture_descriptors())
+        self.pending = _build_order(manager.dispatcher.capture_descriptors(), largest_first)
         self.num_graphs = len(self.pending)
         self._after = after              # e.g. a drafter's graphs, once the target's are live
         self._progress = progress
@@ -316,10 +319,14 @@ def _stop_thread(stop: threading.Event, thread: threading.Thread) -> None:
         thread.join(timeout=30)
 
 
-def _build_order(keys: list[BatchExecutionDescriptor]) -> list[BatchExecutionDescriptor]:
+def _build_order(keys: list[BatchExecutionDescriptor], largest_first: bool = False
+                 ) -> list[BatchExecutionDescriptor]:
     """FULL graphs before PIECEWISE ones (a PIECEWISE capture first traces the model on
-    the serving thread), smallest size first (the batches a first user sends)."""
-    return sorted(keys, key=lambda k: (k.mode == CUDAGraphMode.PIECEWISE, k.num_tokens_padded,
+    the serving thread), smallest size first (the batches a first user sends), or largest
+    first."""
+    sign = -1 if largest_first else 1
+    return sorted(keys, key=lambda k: (k.mode == CUDAGraphMode.PIECEWISE,
+                                       sign * k.num_tokens_padded,
                                        k.uniform_query_len is None))
 
 

@@ -239,3 +239,20 @@ def test_a_piecewise_sizes_captures_stall_once_and_share_one_pool(monkeypatch):
     fake.calls.clear()
     alone = backend.capture(lambda x: x + 1, inputs)         # a drafter's graph: its own
     assert alone.nbytes == 100 and fake.calls.count("synchronize") == 2
+
+
+def test_a_blocking_cuda_start_captures_each_mode_largest_first(monkeypatch):
+    cuda_startup_policy(monkeypatch)
+    order: list[str] = []
+    real = GraphManager._capture
+
+    def _capture(self, desc):
+        order.append(f"{desc.mode.name}:{desc.num_tokens_padded}")
+        return real(self, desc)
+
+    monkeypatch.setattr(GraphManager, "_capture", _capture)
+    LLM("tiny-llama", compilation_config={"graph_startup": "blocking",
+                                          "cudagraph_mode": "full_and_piecewise",
+                                          "cudagraph_capture_sizes": SIZES}, **KWARGS)
+    assert order == ["FULL:4", "FULL:2", "FULL:1", "PIECEWISE:4", "PIECEWISE:2",
+                     "PIECEWISE:1"]
