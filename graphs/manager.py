@@ -139,6 +139,8 @@ class GraphManager:
         self.records: list[CaptureRecord] = []
         self.trace_seconds = 0.0      # one-time torch.compile tracing, not in any record
         self._traced_at: float | None = None
+        self.num_traces = 0           # torch.compile traces of the model (note_traced)
+        self._in_capture = False
         self._piece_bytes = 0
         self._piece_nodes: int | None = None
         # NOTE: an emulated replay poisons the pads of the batch its graph reads: the
@@ -161,8 +163,17 @@ class GraphManager:
         return len(self.dispatcher.capture_descriptors())
 
     def note_traced(self) -> None:
-        """Called by the compile backend once torch.compile has traced and split the model."""
+        """Called by the compile backend once torch.compile has traced and split the model.
+
+        NOTE: recompile_limit is raised for the many engines of one process (compile_model),
+        so a recompile during serving would pass silently: a trace outside a capture is
+        one, and says so."""
         self._traced_at = time.perf_counter()
+        self.num_traces += 1
+        if not self._in_capture:
+            logger.warning("torch.compile traced the model during a step (trace %d): a "
+                           "recompile; its PIECEWISE graphs run eagerly from now on "
+                           "(TORCH_LOGS=recompiles says which guard failed)", self.num_traces)
 
     def capture_all(self, progress: Callable[[CaptureRecord], None] | None = None) -> None:
         for key in self.dispatcher.capture_descriptors():
@@ -227,8 +238,12 @@ class GraphManager:
     def capture(self, key: BatchExecutionDescriptor) -> CaptureRecord:
         """Capture (or compile, or load) the graph of ``key`` and make it live; on the
         serving thread, between steps (it writes the runner's input buffers)."""
-        with torch.inference_mode():
-            record = self._capture(key)
+        self._in_capture = True
+        try:
+            with torch.inference_mode():
+                record = self._capture(key)
+        finally:
+            self._in_capture = False
         self.records.append(record)
         self.dispatcher.go_live(key)
         return record

@@ -256,3 +256,24 @@ def test_a_blocking_cuda_start_captures_each_mode_largest_first(monkeypatch):
                                           "cudagraph_capture_sizes": SIZES}, **KWARGS)
     assert order == ["FULL:4", "FULL:2", "FULL:1", "PIECEWISE:4", "PIECEWISE:2",
                      "PIECEWISE:1"]
+
+
+def test_a_recompile_during_serving_is_reported(monkeypatch, caplog):
+    """recompile_limit is raised for the tests' many engines: a trace during a step (here:
+    dynamo's cache dropped) must still be visible."""
+    mixed = [{"prompt_token_ids": [1, 72]}, {"prompt_token_ids": [1]}]   # one PIECEWISE:4 step
+
+    def tokens(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(mixed, PARAMS, use_tqdm=False)]
+
+    want = tokens(LLM("tiny-llama", enforce_eager=True, **KWARGS))
+    llm = LLM("tiny-llama", compilation_config={"graph_startup": "blocking",
+                                                "cudagraph_mode": "full_and_piecewise",
+                                                "cudagraph_capture_sizes": SIZES}, **KWARGS)
+    with caplog.at_level(logging.WARNING, logger="rung.graphs.manager"):
+        assert tokens(llm) == want
+        assert "PIECEWISE:4" in llm.engine.stats()["graph_replays"]
+        assert not [r for r in caplog.records if "recompile" in r.message]
+        torch._dynamo.reset()
+        assert tokens(llm) == want
+    assert [r for r in caplog.records if "traced the model during a step" in r.message]
