@@ -51,7 +51,7 @@ install() {
     echo "pip install failed: falling back to a path shim (no console script; stages use"
     echo "'python -m rung.cli.main')"
     mkdir -p "$OUT_DIR/shim/rung"
-    for p in core runtime graphs kernels models bench; do
+    for p in core runtime graphs kernels models bench cli server; do
       ln -sfn "$PWD/$p" "$OUT_DIR/shim/rung/$p"
     done
     echo "$OUT_DIR/shim" >"$OUT_DIR/pythonpath"
@@ -66,8 +66,8 @@ export -f versions install
 PLAN=(
   "versions|20|versions"
   "install|60|install"
-  "kernels|90|$PYTEST tests/test_triton_kernels.py tests/test_flash_attn_backend.py"
-  "graph-tests|95|$PYTEST tests/test_graph_replay.py tests/test_graph_ladder.py tests/test_descriptor_contract.py tests/test_triton_engine.py tests/test_full_uniform_metadata.py tests/test_no_jit_after_warmup.py tests/test_capture_accounting.py"
+  "kernels|90|RUNG_DEVICE_TEST_REPORT=$OUT_DIR/kernels.devices.json $PYTEST tests/test_triton_kernels.py tests/test_flash_attn_backend.py"
+  "graph-tests|95|RUNG_DEVICE_TEST_REPORT=$OUT_DIR/graph-tests.devices.json $PYTEST tests/test_graph_replay.py tests/test_graph_ladder.py tests/test_descriptor_contract.py tests/test_triton_engine.py tests/test_full_uniform_metadata.py tests/test_no_jit_after_warmup.py tests/test_capture_accounting.py"
   "capture|80|$RUNG warmup --model $MODEL --dtype bfloat16 --mode full_and_piecewise --attention-backend TRITON --max-num-seqs 32 --json $OUT_DIR/warmup.json"
   "live-switch|40|env -u TRITON_INTERPRET $PYTHON -m rung.bench.live_switch --model $MODEL --dtype bfloat16 --num-reqs 8 --timeout 25 --json $OUT_DIR/live_switch.json"
   "host-syncs|20|env -u TRITON_INTERPRET $PYTHON -m rung.bench.host_syncs --device cuda --num-reqs 8 --max-tokens 12 --workloads sampled,ngram-sampled,mtp-sampled --json $OUT_DIR/host_syncs.json"

@@ -92,9 +92,19 @@ def read_stages(out: Path) -> list[dict]:
     for line in (out / "stages.tsv").read_text().splitlines():
         name, rc, seconds, limit = line.split("\t")
         verdict = STAGE_VERDICTS.get(rc, f"FAIL rc={rc}")
-        stages.append({"stage": name, "verdict": verdict, "seconds": int(seconds),
-                       "limit_s": int(limit), "log": f"{name}.log",
-                       "pytest": _pytest_counts(out / f"{name}.log")})
+        stage = {"stage": name, "verdict": verdict, "seconds": int(seconds),
+                 "limit_s": int(limit), "log": f"{name}.log",
+                 "pytest": _pytest_counts(out / f"{name}.log")}
+        devices = _load(out / f"{name}.devices.json")
+        if devices is not None:
+            # NOTE: a test that passed without touching the GPU is no GPU pass
+            stage["gpu_passed"] = len(devices["gpu"])
+            stage["cpu_only_passed"] = devices["cpu_only"]
+            stage["pytest"] = (f"{stage['pytest'] or ''}: {len(devices['gpu'])} on the GPU, "
+                               f"{len(devices['cpu_only'])} CPU-only").lstrip(": ")
+            if verdict == "PASS" and not devices["gpu"]:
+                stage["verdict"] = "NO GPU TEST"
+        stages.append(stage)
     return stages
 
 
@@ -147,6 +157,18 @@ def _switch_rows(switch: dict) -> list[str]:
     return rows
 
 
+def _sync_rows(host_syncs: dict) -> list[str]:
+    rows = [f"{'workload':<16} {'steps':>5} {'conv worst':>10} {'conv mean':>9} "
+            f"{'sync worst':>10} {'sync mean':>9}"]
+    for name, r in host_syncs.items():
+        conv, syncs = r["conversions_per_step"], r["cuda_syncs_per_step"]
+        n = max(len(conv), 1)
+        rows.append(f"{name:<16} {len(conv):>5} {max(conv, default=0):>10} "
+                    f"{sum(conv) / n:>9.2f} {max(syncs, default=0):>10} "
+                    f"{sum(syncs) / n:>9.2f}")
+    return rows
+
+
 def _load(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -163,20 +185,21 @@ def cmd_summary(out_dir: str) -> int:
         print(f"{s['stage']:<12} {s['verdict']:<12} {s['seconds']:>5} {s['limit_s']:>5}  "
               f"{s['pytest'] or ''}")
     print(f"total {sum(s['seconds'] for s in stages)} s")
-    versions, warmup, switch, latency = (
+    versions, warmup, switch, syncs, latency = (
         _load(out / n) for n in ("versions.json", "warmup.json", "live_switch.json",
-                                 "latency.json"))
+                                 "host_syncs.json", "latency.json"))
     if versions and versions.get("flash_attn") is None:
         print("flash-attn: not installed, so its tests skip (reasons in kernels.log)")
     for title, data, rows in (("capture", warmup, _capture_rows),
                               ("capture between steps (background start)", switch,
                                _switch_rows),
+                              ("host syncs per step", syncs, _sync_rows),
                               ("latency (bf16)", latency, _latency_rows)):
         if data is not None:
             print(f"\n----- {title}")
             print("\n".join(rows(data)))
     report = {"stages": stages, "versions": versions, "warmup": warmup,
-              "live_switch": switch, "latency": latency}
+              "live_switch": switch, "host_syncs": syncs, "latency": latency}
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     print(f"\nJSON: {out / 'gpu_check.json'}")
     return 0 if all(s["verdict"] in ("PASS", "SKIPPED") for s in stages) else 1

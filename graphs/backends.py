@@ -35,10 +35,15 @@ def make_capture_backend(name: str, device: torch.device,
     if name == "cuda":
         if device.type != "cuda":
             raise ValueError(f"graph_backend 'cuda' needs a CUDA device, got {device}")
-        return CudaGraphBackend()
+        return CudaGraphBackend(poison_hook=poison_hook)
     if name == "emulated":
         return EmulatedGraphBackend(poison_hook)
     if name == "compiled":
+        if device.type != "cpu":
+            # NOTE: its replay reads host values (the longest seq_len) every step: a
+            # device sync per replay on a GPU, where CUDA graphs serve instead
+            raise ValueError(f"graph_backend 'compiled' is for CPU graphs, got device "
+                             f"{device}: use graph_backend 'cuda' (or 'auto') there")
         return CompiledGraphBackend(artifact_cache, poison_hook, compile_threads)
     raise ValueError(f"graph_backend {name!r} not in ('auto', 'cuda', 'emulated', 'compiled')")
 

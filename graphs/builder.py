@@ -55,11 +55,14 @@ class Prefetch(Protocol):
 class GraphBuilder:
     def __init__(self, manager: GraphManager, after: Callable[[], None] | None = None,
                  progress: Callable[[CaptureRecord], None] | None = None,
-                 prefetch: Prefetch | None = None, off_thread: bool = False) -> None:
+                 prefetch: Prefetch | None = None, off_thread: bool = False,
+                 largest_first: bool = False) -> None:
         """``off_thread``: FULL graphs are built by a worker thread (``_Worker``), where
-        the manager can (``builds_off_thread``)."""
+        the manager can (``builds_off_thread``); ``largest_first``: each mode's sizes are
+        captured largest first (a blocking CUDA start: smaller graphs reuse the pool
+        blocks larger ones freed)."""
         self.manager = manager
-        self.pending = _build_order(manager.dispatcher.capture_descriptors())
+        self.pending = _build_order(manager.dispatcher.capture_descriptors(), largest_first)
         self.num_graphs = len(self.pending)
         self._after = after              # e.g. a drafter's graphs, once the target's are live
         self._progress = progress
@@ -69,6 +72,7 @@ class GraphBuilder:
         self._prefetch_failed = False
         self._polled = float("-inf")
         self._worker: _Worker | None = None
+        self._stepped = False            # a step has followed an advance
         if off_thread and manager.builds_off_thread:
             keys = [k for k in self.pending if k.mode == CUDAGraphMode.FULL]
             if keys:
@@ -99,6 +103,11 @@ class GraphBuilder:
             if not self._worker.finished:
                 return None
             self._worker = None      # NOTE: what it left (not built yet): on this thread
+        if stepping and not self._stepped:
+            # NOTE: the first step of a background start runs no capture (nor the trace a
+            # capture may start): its batch is a user's first request, served eagerly
+            self._stepped = True
+            return None
         if not self.pending:
             if not may_compile and self._prefetching():
                 return None      # NOTE: it compiles the drafter's artifacts too: bind those
@@ -110,7 +119,16 @@ class GraphBuilder:
         if key is None:
             return None
         self.pending.remove(key)
-        return self._went_live(self.manager.capture(key))
+        try:
+            record = self.manager.capture(key)
+        except Exception as e:  # noqa: BLE001 - one size lost, serving goes on eagerly
+            logger.warning("graph %s %d does not go live: capture failed: %s: %s; batches "
+                           "of its size run eagerly", key.mode.name, key.num_tokens_padded,
+                           type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            if self.done:
+                self._finish()
+            return None
+        return self._went_live(record)
 
     def _missed(self) -> BatchExecutionDescriptor | None:
         """The pending graph the last batch ran eagerly for want of, if any."""
@@ -301,10 +319,14 @@ def _stop_thread(stop: threading.Event, thread: threading.Thread) -> None:
         thread.join(timeout=30)
 
 
-def _build_order(keys: list[BatchExecutionDescriptor]) -> list[BatchExecutionDescriptor]:
+def _build_order(keys: list[BatchExecutionDescriptor], largest_first: bool = False
+                 ) -> list[BatchExecutionDescriptor]:
     """FULL graphs before PIECEWISE ones (a PIECEWISE capture first traces the model on
-    the serving thread), smallest size first (the batches a first user sends)."""
-    return sorted(keys, key=lambda k: (k.mode == CUDAGraphMode.PIECEWISE, k.num_tokens_padded,
+    the serving thread), smallest size first (the batches a first user sends), or largest
+    first."""
+    sign = -1 if largest_first else 1
+    return sorted(keys, key=lambda k: (k.mode == CUDAGraphMode.PIECEWISE,
+                                       sign * k.num_tokens_padded,
                                        k.uniform_query_len is None))
 
 

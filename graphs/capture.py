@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -103,16 +104,32 @@ class EmulatedGraph(CapturedGraph):
         return self.outputs
 
 
+class CaptureBatch:
+    """The captures of one graph key (a FULL graph, or every piece of a PIECEWISE size):
+    ``nbytes``, what they added to the CUDA graph pool, set at its end (None on CPU)."""
+
+    nbytes: int | None = None
+
+
 class EmulatedGraphBackend:
     """CPU twin of CUDA graphs: same rules (static inputs checked for identity, outputs in
     static buffers), and an optional poison hook run before every replay."""
 
     name = "emulated"
+    # start-up policy (read by GraphStartup and GraphManager; a test may force CUDA's):
+    # what graph_startup="auto" means, and whether captures stay on the serving thread
+    auto_startup = "blocking"        # the tests' oracle: every graph live before serving
+    serving_thread_captures = False
 
     def __init__(self, poison_hook: Callable[[], None] | None = None) -> None:
         self.poison_hook = poison_hook
         self.pool_bytes = 0           # static output buffers held, all graphs
         self.kernel_nodes_note = "no CUDA graph: nothing to count"
+
+    @contextlib.contextmanager
+    def capture_batch(self) -> Iterator[CaptureBatch]:
+        """The captures of one graph key (nothing to share on CPU)."""
+        yield CaptureBatch()
 
     def capture(self, fn: Callable[..., Outputs], inputs: Sequence) -> CapturedGraph:
         fn(*inputs)                                       # warm-up, as on CUDA
@@ -125,12 +142,20 @@ class EmulatedGraphBackend:
 
 
 class CudaGraph(CapturedGraph):
-    def __init__(self, graph: torch.cuda.CUDAGraph, static_inputs, outputs, nbytes) -> None:
+    """A captured CUDA graph. ``poison``, set in debug mode: a replay first checks that its
+    inputs are the capture's (a Python compare per input: debug mode only), then garbles
+    their pad rows, as an emulated replay does."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, static_inputs, outputs, nbytes,
+                 poison: Callable[[], None] | None = None) -> None:
         super().__init__(static_inputs, outputs, nbytes)
         self.graph = graph
+        self.poison = poison
 
     def replay(self, inputs):
-        self.check_inputs(inputs)
+        if self.poison is not None:
+            self.check_inputs(inputs)
+            self.poison()
         self.graph.replay()
         return self.outputs
 
@@ -152,11 +177,19 @@ class PoolMeter:
         self.per_graph: list[int] = []
 
     def measure(self, capture: Callable[[], "CudaGraph"]) -> "CudaGraph":
-        before = self._read_reserved()
+        self.begin()
         graph = capture()
-        graph.nbytes = self._read_reserved() - before
-        self.per_graph.append(graph.nbytes)
+        graph.nbytes = self.end()
         return graph
+
+    def begin(self) -> None:
+        """Before the captures of one graph key (``end`` reads what they added)."""
+        self._before = self._read_reserved()
+
+    def end(self) -> int:
+        nbytes = self._read_reserved() - self._before
+        self.per_graph.append(nbytes)
+        return nbytes
 
     @property
     def total_bytes(self) -> int:
@@ -184,8 +217,15 @@ class CudaGraphBackend:
     """
 
     name = "cuda"
+    # NOTE: "auto" starts in the background (a capture costs the serving thread ms, not
+    # the seconds a CPU compile does), and every capture runs on the serving thread,
+    # ordered with the serving stream (it writes the runner's input buffers)
+    auto_startup = "background"
+    serving_thread_captures = True
 
-    def __init__(self, pool=None) -> None:
+    def __init__(self, pool=None, poison_hook: Callable[[], None] | None = None) -> None:
+        self.poison_hook = poison_hook
+        self._batch: CaptureBatch | None = None      # the capture batch in progress
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream()
         self.meter = PoolMeter(_reserved_after_emptying,
@@ -196,12 +236,42 @@ class CudaGraphBackend:
     def pool_bytes(self) -> int:
         return self.meter.total_bytes
 
+    @contextlib.contextmanager
+    def capture_batch(self) -> Iterator[CaptureBatch]:
+        """The captures of one graph key share one device sync and one allocator flush
+        (the pool meter's reading, before and after): a PIECEWISE size's 30-odd pieces
+        stall the serving thread once, not once per piece (``torch.cuda.graph`` syncs
+        and empties the cache on every entry; captures here call capture_begin
+        themselves). Nested batches are one."""
+        if self._batch is not None:
+            yield self._batch
+            return
+        batch = self._batch = CaptureBatch()
+        self.meter.begin()                     # synchronize + empty_cache, once
+        try:
+            yield batch
+        finally:
+            self._batch = None
+        batch.nbytes = self.meter.end()
+
     def capture(self, fn: Callable[..., Outputs], inputs: Sequence) -> CapturedGraph:
+        if self._batch is None:
+            with self.capture_batch() as batch:
+                graph = self.capture(fn, inputs)
+            graph.nbytes = batch.nbytes
+            return graph
         self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            fn(*inputs)                                   # warm-up, on the capture stream
-        self.stream.synchronize()
-        captured = self.meter.measure(lambda: self._capture(fn, inputs))
+        try:
+            with torch.cuda.stream(self.stream):
+                fn(*inputs)                               # warm-up, on the capture stream
+            # NOTE: no sync between warm-up and capture: both are on the capture stream,
+            # in order, and the capture allocates from its pool, not the warm-up's blocks
+            captured = self._capture(fn, inputs)
+        except BaseException:
+            # NOTE: a failed capture is dropped and serving goes on (GraphBuilder): the
+            # serving stream must still see whatever the capture stream wrote
+            torch.cuda.current_stream().wait_stream(self.stream)
+            raise
         captured.num_kernel_nodes = self._count_nodes(captured.graph)
         return captured
 
@@ -212,14 +282,18 @@ class CudaGraphBackend:
         gc_was_enabled = gc.isenabled()
         gc.disable()                                      # NOTE: gc during capture can free
         try:                                              # tensors the graph still uses
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                outputs = fn(*inputs)
+            with torch.cuda.stream(self.stream):
+                graph.capture_begin(self.pool)
+                try:
+                    outputs = fn(*inputs)
+                finally:
+                    graph.capture_end()
         finally:
             if gc_was_enabled:
                 gc.enable()
         graph.instantiate()
         torch.cuda.current_stream().wait_stream(self.stream)
-        return CudaGraph(graph, inputs, outputs, 0)
+        return CudaGraph(graph, inputs, outputs, 0, self.poison_hook)
 
     def _count_nodes(self, graph: torch.cuda.CUDAGraph) -> int | None:
         try:

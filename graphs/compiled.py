@@ -207,6 +207,7 @@ class CompiledGraphBackend(EmulatedGraphBackend):
     """
 
     name = "compiled"
+    auto_startup = "background"      # a cold compile takes minutes: eager serves meanwhile
 
     def __init__(self, cache: ArtifactCache | None = None,
                  poison_hook: Callable[[], None] | None = None,

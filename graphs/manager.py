@@ -116,6 +116,10 @@ class GraphManager:
                                                     artifact_cache, compile_threads)
         self.compiled = (compile_model(runner.model, self, piece_compiler)
                          if mode.has_piecewise() else None)
+        # NOTE: a FULL capture runs the torch.compile wrapper only when it brings compiled
+        # pieces (inductor); with eager pieces it would only add dynamo's trace of the whole
+        # model (and a retrace once size 1 specialises) to the first FULL captures
+        self._full_through_compiled = self.compiled is not None and piece_compiler == "inductor"
         # NOTE: a CUDA or compiled FULL replay runs captured kernels on the inputs it was
         # captured with and reads no forward context; an emulated one re-runs the forward,
         # and the debug poison hook reads the replay's descriptor from the context
@@ -135,6 +139,8 @@ class GraphManager:
         self.records: list[CaptureRecord] = []
         self.trace_seconds = 0.0      # one-time torch.compile tracing, not in any record
         self._traced_at: float | None = None
+        self.num_traces = 0           # torch.compile traces of the model (note_traced)
+        self._in_capture = False
         self._piece_bytes = 0
         self._piece_nodes: int | None = None
         # NOTE: an emulated replay poisons the pads of the batch its graph reads: the
@@ -157,8 +163,17 @@ class GraphManager:
         return len(self.dispatcher.capture_descriptors())
 
     def note_traced(self) -> None:
-        """Called by the compile backend once torch.compile has traced and split the model."""
+        """Called by the compile backend once torch.compile has traced and split the model.
+
+        NOTE: recompile_limit is raised for the many engines of one process (compile_model),
+        so a recompile during serving would pass silently: a trace outside a capture is
+        one, and says so."""
         self._traced_at = time.perf_counter()
+        self.num_traces += 1
+        if not self._in_capture:
+            logger.warning("torch.compile traced the model during a step (trace %d): a "
+                           "recompile; its PIECEWISE graphs run eagerly from now on "
+                           "(TORCH_LOGS=recompiles says which guard failed)", self.num_traces)
 
     def capture_all(self, progress: Callable[[CaptureRecord], None] | None = None) -> None:
         for key in self.dispatcher.capture_descriptors():
@@ -172,8 +187,7 @@ class GraphManager:
         CPU graphs, compiled or emulated, of a mode without PIECEWISE pieces (their
         torch.compile wrapper traces the model at its first call). A CUDA capture stays
         on the serving thread, ordered with the serving stream."""
-        return self.compiled is None and not isinstance(self.capture_backend,
-                                                        CudaGraphBackend)
+        return self.compiled is None and not self.capture_backend.serving_thread_captures
 
     def build(self, key: BatchExecutionDescriptor,
               pause: Callable[[], None] | None = None) -> ReadyGraph:
@@ -224,8 +238,12 @@ class GraphManager:
     def capture(self, key: BatchExecutionDescriptor) -> CaptureRecord:
         """Capture (or compile, or load) the graph of ``key`` and make it live; on the
         serving thread, between steps (it writes the runner's input buffers)."""
-        with torch.inference_mode():
-            record = self._capture(key)
+        self._in_capture = True
+        try:
+            with torch.inference_mode():
+                record = self._capture(key)
+        finally:
+            self._in_capture = False
         self.records.append(record)
         self.dispatcher.go_live(key)
         return record
@@ -271,7 +289,7 @@ class GraphManager:
         self._traced_at = None
         compiled_s = load_s = artifact = None
         ids, positions, ctx = self.runner.dummy_batch(desc)
-        with forward_context(ctx):
+        with forward_context(ctx), self.capture_backend.capture_batch() as batch:
             if desc.mode == CUDAGraphMode.PIECEWISE:
                 self._piece_bytes, self._piece_nodes = 0, None
                 self.capturing = True
@@ -287,6 +305,8 @@ class GraphManager:
                     artifact = graph.artifact_key
                 self.full_graphs[(TARGET, desc)] = graph
                 nbytes, nodes = graph.nbytes, graph.num_kernel_nodes
+        if batch.nbytes is not None:          # CUDA: what the key's captures added
+            nbytes = batch.nbytes
         if self._traced_at is not None:
             # NOTE: tracing happens once (or on a recompile); charging it to the graph
             # that happened to trigger it would make that size look slow forever.
@@ -432,7 +452,9 @@ class GraphManager:
                       *metadata: torch.Tensor) -> torch.Tensor:
         # NOTE: metadata tensors are passed only so replay checks their identity; the
         # attention ops read them through the forward context.
-        return self._forward_fn(ids, positions)
+        if self._full_through_compiled:
+            return self.compiled(ids, positions)
+        return self.runner.model(ids, positions)
 
     def _model_forward(self, ids: torch.Tensor, positions: torch.Tensor,
                        *metadata: torch.Tensor) -> torch.Tensor:

@@ -25,15 +25,21 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     One in-place ``index_put_`` per K and V on the WHOLE cache tensor, never on a view:
     a compiler then updates the cache in place (on a view inductor copied the whole cache
     every step).
-    NOTE: slot -1 (pads) is redirected to slot 0 of the null block, which no request
-    reads, so the write is skipped for every live block without a host sync.
+    NOTE: slot -1 (pads) is redirected to slot 0 of the null block, and what a pad writes
+    there is that slot's own content: the write is masked, as Triton's store is, without
+    a host sync. A pad row's key may be garbage (a PIECEWISE capture's piece outputs are
+    never computed), and slot 0 is read, masked, by rows shorter than the gather width: a
+    NaN there would survive SDPA's boolean mask.
     """
     block_size = kv_cache.shape[2]
+    pad = (slot_mapping < 0)[:, None, None]                              # [T, 1, 1]
     slots = slot_mapping.clamp(min=0)
     block, offset = slots // block_size, slots % block_size               # [T] each
     k_half = torch.zeros((), dtype=torch.long, device=kv_cache.device)   # kv_cache[0] = K
-    kv_cache.index_put_((k_half, block, offset), key.to(kv_cache.dtype))
-    kv_cache.index_put_((k_half + 1, block, offset), value.to(kv_cache.dtype))
+    kv_cache.index_put_((k_half, block, offset),
+                        torch.where(pad, kv_cache[0, 0, 0], key.to(kv_cache.dtype)))
+    kv_cache.index_put_((k_half + 1, block, offset),
+                        torch.where(pad, kv_cache[1, 0, 0], value.to(kv_cache.dtype)))
 
 
 def token_positions(meta: CommonAttentionMetadata,

@@ -97,8 +97,9 @@ class CompilationConfig:
     cache_dir: str | None = None
     # "background": LLM(...) returns once eager can serve; graphs go live one by one between
     # steps (compiled CPU graphs compile in a subprocess). "blocking": every graph is live
-    # before LLM(...) returns. "auto": background but for emulated graphs (the tests' oracle)
-    # and data parallel (ranks must agree on the graphs they replay).
+    # before LLM(...) returns. "auto": the capture backend's own policy (its
+    # ``auto_startup``: blocking for emulated graphs, the tests' oracle) and blocking under
+    # data parallel (ranks must agree on the graphs they replay).
     graph_startup: str = "auto"
     # compiled CPU graphs: one artifact per decoder-layer kind, called once per layer
     # (compile ~25 s for SmolLM2's whole ladder), or False: the whole forward in one artifact

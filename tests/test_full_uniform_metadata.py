@@ -7,7 +7,9 @@ import pytest
 from rung.core.graph_mode import CUDAGraphMode
 from rung.runtime import LLM, SamplingParams
 
-ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "max_model_len": 64}
+# NOTE: fp32 on a GPU too ("auto" is bf16 there): graph and eager tokens are compared
+ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "max_model_len": 64,
+          "dtype": "float32"}
 
 
 def _max_query_lens(ctx) -> set[int]:

@@ -2,6 +2,7 @@
 torch (no index, no deps, no build isolation), leaves torch alone, and prints its plan."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -78,3 +79,54 @@ def test_rung_imports_from_the_install(dry_run):
                          capture_output=True, text=True, cwd="/", env=env)
     assert got.returncode == 0, got.stderr
     assert got.stdout.strip().startswith(str(src if not shim else shim)), got.stdout
+
+
+def test_the_summary_reports_host_syncs(tmp_path):
+    (tmp_path / "stages.tsv").write_text("host-syncs\t0\t12\t20\n")
+    (tmp_path / "host_syncs.json").write_text(json.dumps(
+        {"sampled": {"conversions_per_step": [3, 1], "cuda_syncs_per_step": [2, 0],
+                     "by_kind": {}}}))
+    proc = subprocess.run([sys.executable, "bench/gpu_check_report.py", "summary",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "host syncs per step" in proc.stdout
+    assert "sampled" in proc.stdout.split("host syncs per step")[1]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["host_syncs"]["sampled"]["cuda_syncs_per_step"] == [2, 0]
+
+
+def test_the_install_fallback_shim_links_every_package():
+    script = (ROOT / "bench" / "gpu_check.sh").read_text()
+    line = next(ln for ln in script.splitlines() if ln.strip().startswith("for p in "))
+    linked = set(line.split(" in ", 1)[1].split(";")[0].split())
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    assert packages <= linked, packages - linked
+
+
+def test_tests_that_never_touched_the_gpu_are_not_counted_as_gpu_passes(tmp_path):
+    (tmp_path / "stages.tsv").write_text("graph-tests\t0\t50\t95\nkernels\t0\t40\t90\n")
+    (tmp_path / "graph-tests.log").write_text("cmd\n3 passed in 9.0s\n")
+    (tmp_path / "graph-tests.devices.json").write_text(json.dumps(
+        {"gpu": ["tests/a.py::t1", "tests/a.py::t2"], "cpu_only": ["tests/b.py::t3"]}))
+    (tmp_path / "kernels.devices.json").write_text(json.dumps(
+        {"gpu": [], "cpu_only": ["tests/k.py::t"]}))
+    proc = subprocess.run([sys.executable, "bench/gpu_check_report.py", "summary",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    stages = {s["stage"]: s for s in
+              json.loads((tmp_path / "gpu_check.json").read_text())["stages"]}
+    assert stages["graph-tests"]["gpu_passed"] == 2
+    assert stages["graph-tests"]["cpu_only_passed"] == ["tests/b.py::t3"]
+    assert "2 on the GPU, 1 CPU-only" in proc.stdout
+    assert stages["kernels"]["verdict"] == "NO GPU TEST" and proc.returncode == 1
+
+
+def test_the_suite_lists_which_passing_tests_touched_the_device(tmp_path):
+    report = tmp_path / "devices.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "tests/test_cuda_path.py::test_compiled_cpu_graphs_are_refused_on_cuda"],
+        cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, "RUNG_DEVICE_TEST_REPORT": str(report)})
+    assert proc.returncode == 0, proc.stdout
+    test = "tests/test_cuda_path.py::test_compiled_cpu_graphs_are_refused_on_cuda"
+    assert json.loads(report.read_text()) == {"gpu": [], "cpu_only": [test]}

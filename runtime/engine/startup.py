@@ -164,8 +164,8 @@ class GraphStartup:
             after = functools.partial(proposer.capture_all, graphs, progress)
         startup = config.compilation.graph_startup
         if startup == "auto":
-            blocking = data_parallel or graphs.capture_backend.name == "emulated"
-            startup = "blocking" if blocking else "background"
+            # NOTE: data parallel ranks must agree on the graphs they replay
+            startup = "blocking" if data_parallel else graphs.capture_backend.auto_startup
         prefetch = None
         # NOTE: no subprocess when the disk cache holds every artifact already (a warm
         # start): it would build a whole engine beside the serving one to compile nothing.
@@ -174,8 +174,12 @@ class GraphStartup:
                 and not all(map(graphs.is_ready, graphs.dispatcher.capture_descriptors())):
             prefetch = start_prefetch(config, max_model_len, graphs.capture_backend.threads,
                                       graphs.capture_backend.cache.root)
+        # NOTE: a blocking start serves nothing before every graph is live: CUDA captures
+        # run largest first there, so smaller sizes reuse the pool blocks larger ones freed
         self.builder = GraphBuilder(graphs, after, progress, prefetch,
-                                    off_thread=startup == "background")
+                                    off_thread=startup == "background",
+                                    largest_first=startup == "blocking" and
+                                    graphs.capture_backend.serving_thread_captures)
         # NOTE: a plain flag, read before every step: once all is live, a step pays one
         # attribute read here, no call into the builder
         self.all_live = self.builder.done
