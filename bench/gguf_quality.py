@@ -9,6 +9,9 @@ compared (the largest and mean absolute difference); llama.cpp's own tokens are 
 the same way, so its deviation from fp32 on the same file is the yardstick.
 
     OMP_NUM_THREADS=1 python -m rung.bench.gguf_quality --model smollm2-135m
+
+A model without a chat template (a base model: Gemma 3 270M) gets the prompts as plain
+text (``--prompt-format plain``, what "auto" picks for it); llama.cpp sees the same ids.
 """
 
 from __future__ import annotations
@@ -76,10 +79,21 @@ def _diff(own: list[float], scored: list[float]) -> str:
     return f"max {max(diffs):.4f}, mean {sum(diffs) / len(diffs):.4f}"
 
 
+def _prompt_ids(tokenizer, prompt: str, prompt_format: str, model: str) -> list[int]:
+    if prompt_format == "auto":
+        prompt_format = "chat" if tokenizer.chat_template else "plain"
+    if prompt_format == "plain":
+        return tokenizer.encode(prompt)
+    return apply_chat_template(tokenizer, [{"role": "user", "content": prompt}], None,
+                               True, model)["prompt_token_ids"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--prompt-format", choices=("auto", "chat", "plain"), default="auto",
+                   help="chat template or plain text; auto: chat where the model has one")
     args = p.parse_args()
     torch.set_num_threads(1)
     quant, fp32 = _llm(args.model, "gguf"), _llm(args.model, None)
@@ -92,8 +106,7 @@ def main() -> None:
         print(f"llama.cpp skipped: {e}")
         lcpp = None
     for prompt in PROMPTS:
-        ids = apply_chat_template(tokenizer, [{"role": "user", "content": prompt}], None,
-                                  True, args.model)["prompt_token_ids"]
+        ids = _prompt_ids(tokenizer, prompt, args.prompt_format, args.model)
         q_tokens, q_logprobs = _greedy(quant, ids, args.max_tokens)
         f_tokens, _ = _greedy(fp32, ids, args.max_tokens)
         f_scores = _scored(fp32, ids, q_tokens)

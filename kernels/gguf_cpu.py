@@ -312,6 +312,30 @@ _LIBRARY.impl("gguf_gemm", lambda x, rows, code: x.new_empty(
     x.shape[0], rows.shape[0], dtype=torch.float32), "Meta")
 
 
+def gguf_embed(ids: torch.Tensor, weight: GGUFBlockWeight) -> torch.Tensor:
+    """ids [T] -> rows ``ids`` of the weight [T, K] fp32, eagerly or inside a compiled
+    graph (the op ``rung::gguf_embed``): only the looked-up rows are decoded, by
+    ``dequantize_reference`` (the decode the fp64 reference and the dequantized model use)."""
+    return torch.ops.rung.gguf_embed.default(ids, weight.rows, TYPE_CODES[weight.type_name],
+                                             weight.shape[1])
+
+
+def _gather_decode(ids: torch.Tensor, rows: torch.Tensor, code: int,
+                   num_cols: int) -> torch.Tensor:
+    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < rows.shape[0]):
+        raise ValueError(f"token ids span [{int(ids.min())}, {int(ids.max())}]; the "
+                         f"embedding has {rows.shape[0]} rows")
+    return dequantize_reference(GGUFBlockWeight(rows.index_select(0, ids.long()),
+                                                KERNEL_TYPES[code]))
+
+
+# NOTE: a Python kernel: one call a step, and the graph sees an opaque op, not the decode
+_LIBRARY.define("gguf_embed(Tensor ids, Tensor rows, int code, int num_cols) -> Tensor")
+_LIBRARY.impl("gguf_embed", _gather_decode, "CPU")
+_LIBRARY.impl("gguf_embed", lambda ids, rows, code, num_cols: rows.new_empty(
+    ids.shape[0], num_cols, dtype=torch.float32), "Meta")
+
+
 def available() -> str | None:
     """Why the kernel cannot run on this machine, or None."""
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX"):

@@ -146,6 +146,9 @@ class Gemma3ForCausalLM(nn.Module):
                           "ffn_norm": "pre_feedforward_layernorm",
                           "post_ffw_norm": "post_feedforward_layernorm"}
     gguf_norm_offset = NORM_OFFSET
+    # NOTE: compute_logits calls the head as a module, so a quantized head may replace it
+    # (a tied one shares the embedding's blocks: 262k x 640 in fp32 would be 640 MiB)
+    quantizable_head = True
 
     def __init__(self, cfg: dict) -> None:
         super().__init__()

@@ -198,7 +198,8 @@ class GGUFModel:
         """(HF name, tensor in HF layout) for every tensor of the file: a
         ``GGUFBlockWeight`` for the block-quantized tensors named in ``block_names``, fp32
         for every other. A tied head named there ("lm_head.weight", absent from the file)
-        comes as the blocks of the embedding, which also comes in fp32 for its gather."""
+        comes as the blocks of the embedding; the embedding, if named too, as the same
+        blocks (one copy serves both), else in fp32 for its gather."""
         for t in self.reader.tensors:
             if self.arch == "gemma4" and t.name == "rope_freqs.weight":
                 continue            # NOTE: read into the config as the partial rotary factor
@@ -207,11 +208,14 @@ class GGUFModel:
             data = t.data
             if getattr(self.family, "gguf_permuted_qk", False):
                 data = self._unpermute_qk(name, data)
+            blocks = None
             if name == "model.embed_tokens.weight" and "lm_head.weight" in block_names \
                     and self.config.get("tie_word_embeddings"):
-                yield "lm_head.weight", block_weight(data, t.tensor_type.name, shape)
+                blocks = block_weight(data, t.tensor_type.name, shape)
+                yield "lm_head.weight", blocks
             if name in block_names:
-                yield name, block_weight(data, t.tensor_type.name, shape)
+                # a tied embedding's lookups share the head's very rows
+                yield name, blocks or block_weight(data, t.tensor_type.name, shape)
                 continue
             array = np.ascontiguousarray(dequantize(data, t.tensor_type.name, shape),
                                          dtype=np.float32)

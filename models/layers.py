@@ -12,6 +12,7 @@ from torch import nn
 from rung.kernels.batch_invariant import is_batch_invariant
 from rung.kernels.gguf_cpu import (
     GGUFBlockWeight,
+    gguf_embed,
     gguf_gemm,
     load_kernel,
     rows_in_one_buffer,
@@ -162,6 +163,36 @@ class QuantLinear(nn.Module):
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
+class QuantEmbedding(nn.Module):
+    """An embedding whose table stays in a GGUF file's blocks (rung's CPU kernel's row
+    layout, any type of ``KERNEL_TYPES``): a lookup gathers the ids' block rows and decodes
+    only those (``gguf_embed``), so no float [vocab, hidden] copy exists. Under a tied head
+    its ``rows`` are the head's (``pack_quant_linears`` points them at the head's buffer)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.type_name = ""
+        self.register_buffer("rows", None)              # [vocab, row bytes] uint8
+        # NOTE: follows model.to(dtype): lookups come in that dtype, as nn.Embedding's would
+        self.register_buffer("dtype_like", torch.empty(0), persistent=False)
+
+    @classmethod
+    def replacing(cls, embedding: nn.Embedding) -> QuantEmbedding:
+        return cls(embedding.num_embeddings, embedding.embedding_dim)
+
+    def load_quantized(self, weight: GGUFBlockWeight, shard: int | None) -> None:
+        want = (self.num_embeddings, self.embedding_dim)
+        if shard is not None or weight.shape != want:
+            raise ValueError(f"quantized embedding has shape {weight.shape}, the model "
+                             f"expects {want}")
+        self.rows, self.type_name = weight.rows, weight.type_name
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        flat = gguf_embed(input_ids.reshape(-1), GGUFBlockWeight(self.rows, self.type_name))
+        return flat.to(self.dtype_like.dtype).reshape(*input_ids.shape, self.embedding_dim)
+
+
 def quant_kernel(device: torch.device) -> str:
     """Which kernel a ``QuantLinear`` on ``device`` runs: "rung" (kernels/gguf_cpu.py,
     every type of ``KERNEL_TYPES``, any activation dtype) or "torch_int4" (4-bit, bfloat16)."""
@@ -169,12 +200,15 @@ def quant_kernel(device: torch.device) -> str:
 
 
 def use_quant_linears(model: nn.Module, names: set[str]) -> int:
-    """Replace the linear modules ``names`` of ``model`` by ``QuantLinear``; how many.
-    A tied ``lm_head`` among them is untied: the embedding keeps the float weight."""
+    """Replace the linear modules ``names`` of ``model`` by ``QuantLinear`` and the
+    embeddings among them by ``QuantEmbedding``; how many. A tied ``lm_head`` among them is
+    untied: the embedding keeps the float weight unless it is among ``names`` too."""
     for name in sorted(names):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, QuantLinear.replacing(getattr(parent, child)))
+        module = getattr(parent, child)
+        quant = QuantEmbedding if isinstance(module, nn.Embedding) else QuantLinear
+        setattr(parent, child, quant.replacing(module))
     return len(names)
 
 
@@ -193,13 +227,21 @@ def tied_head_fp32_t(model: nn.Module) -> torch.Tensor | None:
 def pack_quant_linears(model: nn.Module, device: torch.device | str) -> None:
     """Pack every ``QuantLinear`` of ``model`` for ``device`` once its weights are loaded;
     the rows of rung's CPU kernel go into one buffer in module order (a forward's call
-    order, the tied head last; see ``rows_in_one_buffer``)."""
+    order, the tied head last; see ``rows_in_one_buffer``), a tied ``QuantEmbedding``'s
+    with its head's."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     for layer in layers:
         layer.pack(torch.device(device))
     cpu = [layer for layer in layers if layer.kernel == "rung"]
-    for layer, rows in zip(cpu, rows_in_one_buffer([layer.rows for layer in cpu])):
+    loaded = [layer.rows for layer in cpu]      # alive till the end: their ids stay theirs
+    moved = {}                                  # id(rows loaded) -> their view in the buffer
+    for layer, old, rows in zip(cpu, loaded, rows_in_one_buffer(loaded)):
+        moved[id(old)] = rows
         layer.rows = rows
+    for embedding in model.modules():
+        # a tied embedding was loaded with the head's very rows: it follows them
+        if isinstance(embedding, QuantEmbedding) and id(embedding.rows) in moved:
+            embedding.rows = moved[id(embedding.rows)]
 
 
 def pretranspose_linear_weights(model: nn.Module) -> int:

@@ -154,8 +154,7 @@ class LlamaForCausalLM(nn.Module):
         return DecoderParts(self.model.embed_tokens, self.model.layers,
                             {FULL_ATTENTION: self.model.rotary_emb}, self.model.norm,
                             self.compute_logits, self.lm_head,
-                            lm_head_row_splits(self.lm_head,
-                                               self.model.embed_tokens.weight.dtype))
+                            lm_head_row_splits(self.lm_head, self.model.norm.weight.dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_reqs, hidden] -> logits [num_reqs, vocab] fp32."""

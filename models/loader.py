@@ -225,8 +225,9 @@ def _use_quant_layers(net: nn.Module, tensor_types: dict[str, str],
                       kernel: str) -> frozenset[str]:
     """Make quantized every linear layer (fused ones and a tied head included) whose GGUF
     tensors are all of the types ``kernel`` runs (rung's: every ``BLOCK_TYPES``, fused
-    shards of mixed types too; torch's int4: Q4_0 or Q4_1, one a layer); returns those
-    tensors' HF names. Every other tensor is dequantized; the log says which and why."""
+    shards of mixed types too; torch's int4: Q4_0 or Q4_1, one a layer), and on rung's
+    kernel the embedding (unless its tied head stays in floats); returns those tensors'
+    HF names. Every other tensor is dequantized; the log says which and why."""
     block_types = BLOCK_TYPES if kernel == "rung" else INT4_TYPES
     types = dict(tensor_types)
     if getattr(net, "tied", False) and getattr(net, "quantizable_head", False):
@@ -238,13 +239,18 @@ def _use_quant_layers(net: nn.Module, tensor_types: dict[str, str],
             layer = layer.replace(f".{part}", f".{fused}") if layer.endswith(part) else layer
         by_layer.setdefault(layer, {})[hf_name] = type_name
     chosen = {layer: parts for layer, parts in by_layer.items()
-              if _quant_layer(net, layer, parts, block_types, kernel == "rung")}
+              if _quant_layer(net, layer, parts, block_types, kernel)}
+    embedding = by_layer.get(EMBEDDING, {})
+    if kernel == "rung" and embedding and all(t in block_types for t in embedding.values()) and \
+            isinstance(_submodule(net, EMBEDDING), nn.Embedding) and \
+            (not getattr(net, "tied", False) or "lm_head" in chosen):
+        chosen[EMBEDDING] = embedding          # its lookups decode the looked-up rows
     use_quant_linears(net, set(chosen))
     quantized = collections.Counter(t for parts in chosen.values() for t in parts.values())
     dequantized = collections.Counter(
         (t, _why_dequantized(net, layer, t, block_types, kernel))
         for layer, parts in by_layer.items() if layer not in chosen for t in parts.values())
-    logger.info("GGUF: %d linear layers run quantized on %s's kernel (%s); dequantized: %s",
+    logger.info("GGUF: %d layers run quantized on %s's kernel (%s); dequantized: %s",
                 len(chosen), kernel,
                 ", ".join(f"{t} x{n}" for t, n in sorted(quantized.items())) or "none",
                 "; ".join(f"{t} x{n} ({why})" for (t, why), n in sorted(dequantized.items()))
@@ -262,7 +268,11 @@ def _why_dequantized(net: nn.Module, layer: str, type_name: str,
     except AttributeError:
         return "not a linear layer"
     if isinstance(module, nn.Embedding):
-        return "the embedding's row gather"
+        if kernel != "rung":
+            return f"{kernel}'s kernel has no row gather"
+        if type_name not in block_types:
+            return f"{kernel}'s kernel lacks {type_name}"
+        return "tied to a head kept in floats"
     if type(module) not in (nn.Linear, MergedLinear) or module.bias is not None:
         return "not a bias-free linear layer"
     if type_name not in block_types:
@@ -270,18 +280,31 @@ def _why_dequantized(net: nn.Module, layer: str, type_name: str,
     return "its fused shards mix types or shapes the kernel refuses"
 
 
+EMBEDDING = "model.embed_tokens"
+
+
+def _submodule(net: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return net.get_submodule(name)
+    except AttributeError:
+        return None
+
+
 def _quant_layer(net: nn.Module, layer: str, parts: dict[str, str],
-                 block_types: tuple[str, ...], mixed_types: bool) -> bool:
+                 block_types: tuple[str, ...], kernel: str) -> bool:
     try:
         module = net.get_submodule(layer)
     except AttributeError:
         return False
     return (type(module) in (nn.Linear, MergedLinear) and module.bias is None
             and all(t in block_types for t in parts.values())
-            and (len(set(parts.values())) == 1 or mixed_types)
+            and (len(set(parts.values())) == 1 or kernel == "rung")
             # a tensor a shard, or one tensor holding them all (Phi-3's fused ones)
             and len(parts) in (1, len(getattr(module, "shard_sizes", [None])))
-            and check_packable(module.out_features, module.in_features) is None)
+            # rung's kernel takes any row count (rows in fours, twos, ones); torch's int4
+            # packs rows in sixteens
+            and (kernel == "rung"
+                 or check_packable(module.out_features, module.in_features) is None))
 
 
 @functools.lru_cache(maxsize=2)

@@ -381,3 +381,44 @@ def test_phi3_fused_tensors_stay_quantized(tmp_path):
         layer, want = quantized.get_submodule(name), dequantized.get_submodule(name)
         assert isinstance(layer, QuantLinear) and layer.type_name == "Q8_0"
         torch.testing.assert_close(layer(x), want(x), atol=0.05, rtol=0.02)
+
+
+@pytest.mark.skipif(gguf_cpu.available() is not None, reason="rung's GGUF CPU kernel")
+@pytest.mark.parametrize("arch,qtype", [("qwen3", "Q8_0"), ("llama", "Q4_1"),
+                                        ("gemma3", "Q4_0")])
+def test_quantized_embedding_keeps_the_tokens_and_drops_the_float_table(
+        tmp_path, monkeypatch, arch, qtype):
+    """A quantized file's embedding stays in its blocks (tied: the head's very buffer;
+    Gemma: still scaled by sqrt(hidden)), no float [vocab, hidden] table is held, and
+    greedy tokens and logprobs, eager and through graphs, are those of the same load with
+    the embedding dequantized to fp32 (the load before quantized embeddings)."""
+    from rung.models.layers import QuantEmbedding
+
+    hf_model = _hf_model(arch)
+    path = write_gguf(tmp_path / f"{arch}.gguf", hf_model, arch, qtype=qtype)
+    vocab, hidden = hf_model.config.vocab_size, hf_model.config.hidden_size
+    net = load_model(path).model
+    embedding = net.model.embed_tokens
+    assert isinstance(embedding, QuantEmbedding) and embedding.type_name == qtype
+    if hf_model.config.tie_word_embeddings:
+        assert embedding.rows.data_ptr() == net.lm_head.rows.data_ptr()
+    assert not [n for n, t in [*net.named_parameters(), *net.named_buffers()]
+                if t.is_floating_point() and t.numel() >= vocab * hidden], "a float table"
+    prompts = random_prompts(vocab, lens=[1, 9, 23])
+    params = SamplingParams(temperature=0, max_tokens=10, min_tokens=10, logprobs=0)
+    results = {}
+    for embed in ("quantized", "fp32"):
+        if embed == "fp32":
+            monkeypatch.setattr(loader, "EMBEDDING", "no such module")
+        for eager in (True, False):
+            llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=4,
+                      max_model_len=128, enforce_eager=eager)
+            assert isinstance(llm.engine.loaded.model.model.embed_tokens,
+                              QuantEmbedding) == (embed == "quantized")
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            results[embed, eager] = [(o.outputs[0].token_ids,
+                                      [d[t].logprob for d, t in zip(o.outputs[0].logprobs,
+                                                                    o.outputs[0].token_ids)])
+                                     for o in outs]
+    for eager in (True, False):
+        assert results["quantized", eager] == results["fp32", eager]

@@ -131,3 +131,26 @@ def test_a_row_is_bit_identical_in_any_batch(type_name):
     for num_rows in (2, 3, 5, 17, 40):
         assert torch.equal(gguf_gemm(x[:num_rows], weight), alone[:num_rows])
     assert torch.equal(gguf_gemm(x[3:40], weight), alone[3:40])
+
+
+@pytest.mark.parametrize("type_name", KERNEL_TYPES)
+def test_embedding_lookup_decodes_the_rows_the_dequantized_table_holds(type_name):
+    """A quantized embedding's lookup (any ids, repeated, out of order; in the model's
+    dtype) equals the rows of the table the gguf package dequantizes from the same file
+    bytes, bit for bit; an id past the table is refused."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from rung.models.layers import QuantEmbedding
+
+    num_rows, num_cols = 40, _cols(type_name)[0]
+    data = raw_blocks(type_name, num_rows, num_cols, seed=3)
+    table = torch.from_numpy(dequantize(data, GGMLQuantizationType[type_name])
+                             .reshape(num_rows, num_cols))
+    embedding = QuantEmbedding(num_rows, num_cols)
+    embedding.load_quantized(block_weight(data, type_name, (num_rows, num_cols)), None)
+    ids = torch.tensor([[7, 0, 39, 7], [3, 3, 12, 1]])
+    assert torch.equal(embedding(ids), table[ids])
+    assert torch.equal(embedding.to(torch.bfloat16)(ids), table[ids].bfloat16())
+    with pytest.raises(ValueError, match="40 rows"):
+        embedding(torch.tensor([2, 40]))

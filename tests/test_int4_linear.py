@@ -250,3 +250,23 @@ def test_default_smollm2_runs_its_file_types_and_answers_the_readme_question():
         assert len(quantized) == (121 if not kwargs else 0)
         texts.append(llm.chat(conversation, params, use_tqdm=False)[0].outputs[0].text)
     assert texts == ["The capital of Japan is Tokyo."] * 2
+
+
+def test_default_smollm2_holds_its_file_bytes_and_no_float_table():
+    """The default load of SmolLM2's Q4_1 file keeps at most 1.1x the file's tensor bytes
+    resident (each storage counted once): the tied Q8_0 embedding is served from the head's
+    blocks, no float [vocab, hidden] table."""
+    from rung.bench.gguf_memory import file_tensor_bytes, resident_bytes
+    from rung.models.loader import load_model, resolve_model_path
+
+    try:
+        path = resolve_model_path("smollm2-135m")
+    except ValueError as e:
+        pytest.skip(f"SmolLM2 weights not installed ({e})")
+    if gguf_cpu.available() is not None:
+        pytest.skip(f"rung's GGUF CPU kernel is not available: {gguf_cpu.available()}")
+    loaded = load_model("smollm2-135m")
+    rows, floats, largest = resident_bytes(loaded.model)
+    assert rows + floats <= 1.1 * file_tensor_bytes(path)
+    table = loaded.config["vocab_size"] * loaded.config["hidden_size"] * 4
+    assert largest < table / 16

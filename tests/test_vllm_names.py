@@ -79,3 +79,21 @@ def test_mode_and_compile_backend_help_say_what_a_cpu_runs():
                      r"on CPU runs as full_decode_only", help_text)
     assert re.search(r"--compile-backend \{eager,inductor\} how PIECEWISE graph pieces are "
                      r"compiled\. CPU: the full decode graphs are inductor-compiled", help_text)
+
+
+def test_no_per_layer_graphs_reaches_the_compilation_config(monkeypatch):
+    """`--no-per-layer-graphs` asks for the whole-forward compile (per_layer_graphs=False);
+    without it the config keeps the default (per-layer graphs)."""
+    import argparse
+
+    import rung.runtime.api.llm as llm_module
+    from rung.cli.args import add_engine_args, build_llm
+
+    seen = []
+    monkeypatch.setattr(llm_module, "LLM", lambda *a, **kw: seen.append(kw))
+    for argv in ([], ["--no-per-layer-graphs"]):
+        parser = argparse.ArgumentParser()
+        add_engine_args(parser)
+        build_llm(parser.parse_args(argv))
+    assert "per_layer_graphs" not in seen[0]["compilation_config"]
+    assert seen[1]["compilation_config"]["per_layer_graphs"] is False
