@@ -81,6 +81,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="how PIECEWISE graph pieces are compiled. CPU: the full decode "
                         "graphs are inductor-compiled either way; 'eager' pieces would run "
                         "slower than eager, so the CPU runs none unless this is inductor")
+    p.add_argument("--no-per-layer-graphs", action="store_true",
+                   help="CPU: compile the whole forward as one artifact instead of one per "
+                        "decoder layer (compilation_config per_layer_graphs=False)")
     p.add_argument("--attention-backend", default="auto",
                    help="auto, torch, triton or flash_attn")
     p.add_argument("--speculative-method", default="none", choices=_SPEC_METHODS, type=str.lower,
@@ -136,6 +139,8 @@ def build_llm(args: argparse.Namespace, capture_progress: Callable | None = None
                          "graph_startup": getattr(args, "graph_startup", None) or "auto"}
     if args.mode:
         compilation["cudagraph_mode"] = args.mode
+    if getattr(args, "no_per_layer_graphs", False):
+        compilation["per_layer_graphs"] = False
     if args.capture_sizes:
         compilation["cudagraph_capture_sizes"] = int_list(args.capture_sizes, "--capture-sizes")
     if getattr(args, "max_cudagraph_capture_size", None) is not None:
