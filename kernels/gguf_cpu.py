@@ -384,8 +384,10 @@ def load_kernel() -> None:
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             objs = [Path(tmp) / "gguf_avx2.o", Path(tmp) / "gguf_vnni.o"]
             built = Path(tmp) / path.name
-            _run([_compiler(), *_CFLAGS, "-c", "-o", str(objs[0]), str(_SOURCE)])
-            _run([_compiler(), *_CFLAGS, *_VNNI_CFLAGS, "-c", "-o", str(objs[1]), str(_SOURCE)])
+            # NOTE: the two builds of the C source are independent (and the slow part): at
+            # once, so a machine with 2 cores waits for one
+            _run([_compiler(), *_CFLAGS, "-c", "-o", str(objs[0]), str(_SOURCE)],
+                 [_compiler(), *_CFLAGS, *_VNNI_CFLAGS, "-c", "-o", str(objs[1]), str(_SOURCE)])
             _run([_cxx_compiler(), *cxxflags, "-o", str(built), str(_OP_SOURCE),
                   *map(str, objs), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10",
                   "-ltorch_cpu"])
@@ -421,8 +423,16 @@ def isa() -> str:
     return ISAS[_ISA_CONTROL[0].rung_gguf_isa()]
 
 
-def _run(cmd: list[str]) -> None:
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode:
-        raise RuntimeError(f"compiling rung's GGUF CPU kernel failed ({' '.join(cmd)}):\n"
-                           f"{result.stderr}")
+def _run(*cmds: list[str]) -> None:
+    """Run the compiler commands side by side; raise with the first failure's stderr."""
+    logs = [tempfile.TemporaryFile("w+") for _ in cmds]   # NOTE: no pipe for one to fill
+    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+             for cmd, log in zip(cmds, logs)]
+    for proc in procs:
+        proc.wait()
+    for cmd, proc, log in zip(cmds, procs, logs):
+        with log:
+            log.seek(0)
+            if proc.returncode:
+                raise RuntimeError(f"compiling rung's GGUF CPU kernel failed "
+                                   f"({' '.join(cmd)}):\n{log.read()}")
