@@ -491,9 +491,25 @@ static inline __attribute__((always_inline)) void rows_tile(
     }
 }
 
-#define TYPE_CASE(T) case T: if (dec) rows_tile(T, 1, MB, &a, weight, N, n0, n1, m, dec, out); \
-                             else rows_tile(T, 0, MB, &a, weight, N, n0, n1, m, dec, out); \
-                             break
+/* One function per type (PRE: the K-quants' decoded rows; legacy types never read them):
+ * each is the (MB, NB) copies of one type's loops, and the compiler optimizes eight
+ * functions of that size far faster than one holding all their copies. */
+#define TYPE_TILES(T, NAME, WITH_PRE) \
+static __attribute__((noinline)) void NAME(int MB, const Rounded *a, const uint8_t *weight, \
+        int64_t N, int64_t n0, int64_t n1, int64_t m, const int8_t *dec, float *out) { \
+    if (WITH_PRE && dec) rows_tile(T, 1, MB, a, weight, N, n0, n1, m, dec, out); \
+    else rows_tile(T, 0, MB, a, weight, N, n0, n1, m, dec, out); \
+}
+TYPE_TILES(Q4_0, tiles_q4_0, 0)
+TYPE_TILES(Q4_1, tiles_q4_1, 0)
+TYPE_TILES(Q8_0, tiles_q8_0, 0)
+TYPE_TILES(Q5_0, tiles_q5_0, 0)
+TYPE_TILES(Q5_1, tiles_q5_1, 0)
+TYPE_TILES(Q4_K, tiles_q4_k, 1)
+TYPE_TILES(Q5_K, tiles_q5_k, 1)
+TYPE_TILES(Q6_K, tiles_q6_k, 1)
+
+#define TYPE_CASE(T, NAME) case T: NAME(MB, &a, weight, N, n0, n1, m, dec, out); break
 
 /* Scratch for decoded weight rows, kept per thread between calls. */
 static __thread int8_t *decoded_memory;
@@ -545,8 +561,10 @@ int GGUF_FN(gguf_tiles)(const int8_t *xq, const float *dx, const float *xsum, in
     for (int64_t m = m0; m < m1; m += MAX_ROWS) {
         const int MB = m1 - m < MAX_ROWS ? (int)(m1 - m) : MAX_ROWS;
         switch (type) {
-            TYPE_CASE(Q4_0); TYPE_CASE(Q4_1); TYPE_CASE(Q8_0); TYPE_CASE(Q5_0);
-            TYPE_CASE(Q5_1); TYPE_CASE(Q4_K); TYPE_CASE(Q5_K); TYPE_CASE(Q6_K);
+            TYPE_CASE(Q4_0, tiles_q4_0); TYPE_CASE(Q4_1, tiles_q4_1);
+            TYPE_CASE(Q8_0, tiles_q8_0); TYPE_CASE(Q5_0, tiles_q5_0);
+            TYPE_CASE(Q5_1, tiles_q5_1); TYPE_CASE(Q4_K, tiles_q4_k);
+            TYPE_CASE(Q5_K, tiles_q5_k); TYPE_CASE(Q6_K, tiles_q6_k);
             default: return -2;
         }
     }
