@@ -1,16 +1,10 @@
 """rung: the package's top level, vLLM's: ``from rung import LLM, SamplingParams``.
 
 Every name is `rung.runtime`'s, resolved lazily so ``import rung`` (and `rung --help`)
-stays cheap until a name is used. Importing the package sets OpenMP's spin for the CPU
-(`rung.runtime.thread_policy`) while it still can: before torch loads.
+stays cheap until a name is used.
 """
 
 import importlib
-
-from rung.runtime.thread_policy import set_wait_policy_env
-
-# NOTE: before anything imports torch (which loads OpenMP and reads its environment once)
-set_wait_policy_env()
 
 _RUNTIME_EXPORTS = ("LLM", "LLMEngine", "SamplingParams", "RequestOutputKind", "RequestOutput",
                     "CompletionOutput", "Logprob")

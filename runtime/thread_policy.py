@@ -1,54 +1,32 @@
 """The CPU thread policy: how many threads torch, inductor's kernels and rung's own kernels
-run, and how long idle OpenMP threads spin, so that a busy machine slows rung gracefully.
+run, so that a busy machine slows rung gracefully instead of collapsing it.
 
-Two parts, because OpenMP reads its wait policy once, when its runtime loads (at
-``import torch``), while torch's thread count can change at any time:
+`apply_thread_policy` runs when a CPU engine starts: unless the user chose a count
+(``RUNG_NUM_THREADS``, ``OMP_NUM_THREADS``, or ``torch.set_num_threads`` to other than
+torch's default), torch runs on the cores that were free over a short sample. Compiled
+graphs are generated for that count (it is part of their cache key).
 
-- `set_wait_policy_env` runs when the package ``rung`` is imported: unless the user set
-  ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``, it sets ``GOMP_SPINCOUNT`` so an idle OpenMP
-  thread spins briefly, then sleeps, instead of spinning for a long while on a core another
-  program needs. Too late (and skipped) when torch was imported first.
-- `apply_thread_policy` runs when a CPU engine starts: unless the user chose a count
-  (``RUNG_NUM_THREADS``, ``OMP_NUM_THREADS``, or ``torch.set_num_threads`` to other than
-  torch's default), torch runs on the cores that were free over a short sample. Compiled
-  graphs are generated for that count (it is part of their cache key).
-
-``RUNG_THREAD_POLICY=off`` leaves both to torch and OpenMP.
+OpenMP's wait policy is left as the user set it: on a busy machine the policy runs one
+thread, where no OpenMP thread waits at all, and on a quiet one OpenMP's own long spin is
+the fastest (a shorter spin, set before torch loads, lost every quiet measurement:
+docs/performance.md). ``RUNG_THREAD_POLICY=off`` leaves the count to torch.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 
 logger = logging.getLogger(__name__)
 
 POLICY_ENV = "RUNG_THREAD_POLICY"
 NUM_THREADS_ENV = "RUNG_NUM_THREADS"
-# NOTE: libgomp's default spin is 300000 iterations (OMP_WAIT_POLICY unset), long enough to
-# steal a time slice from a busy neighbour at every parallel region's end
-DEFAULT_SPINCOUNT = "10000"
-_WAIT_ENVS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 _SAMPLE_S = 0.2
-
-_spin_set_by_rung = False
 
 
 def policy_enabled() -> bool:
     return os.environ.get(POLICY_ENV, "auto").lower() != "off"
-
-
-def set_wait_policy_env() -> None:
-    """Before the OpenMP runtime loads: a short spin unless the user set one."""
-    global _spin_set_by_rung
-    if not policy_enabled() or any(k in os.environ for k in _WAIT_ENVS):
-        return
-    if "torch" in sys.modules:      # NOTE: libgomp already read its environment
-        return
-    os.environ["GOMP_SPINCOUNT"] = DEFAULT_SPINCOUNT
-    _spin_set_by_rung = True
 
 
 def _cpu_times(cpus: set[int]) -> tuple[float, float]:
@@ -110,10 +88,7 @@ def apply_thread_policy() -> int:
     free = free_cores()
     threads = num_cores if free is None else max(1, min(num_cores, round(free)))
     torch.set_num_threads(threads)
-    spin = ("GOMP_SPINCOUNT=" + DEFAULT_SPINCOUNT if _spin_set_by_rung else
-            "OpenMP's wait policy as set" if any(k in os.environ for k in _WAIT_ENVS) else
-            "OpenMP's default spin (torch was imported before rung)")
     logger.info("CPU threads: %d of %d cores (%s free at start-up; %s=N or "
-                "%s=off overrides), %s", threads, num_cores,
-                "?" if free is None else f"{free:.1f}", NUM_THREADS_ENV, POLICY_ENV, spin)
+                "%s=off overrides)", threads, num_cores,
+                "?" if free is None else f"{free:.1f}", NUM_THREADS_ENV, POLICY_ENV)
     return threads
