@@ -382,15 +382,14 @@ def load_kernel() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            objs = [Path(tmp) / "gguf_avx2.o", Path(tmp) / "gguf_vnni.o"]
+            objs = [Path(tmp) / "gguf_avx2.o", Path(tmp) / "gguf_vnni.o", Path(tmp) / "op.o"]
             built = Path(tmp) / path.name
-            # NOTE: the two builds of the C source are independent (and the slow part): at
-            # once, so a machine with 2 cores waits for one
+            # NOTE: the three compiles are independent: at once, then one link
             _run([_compiler(), *_CFLAGS, "-c", "-o", str(objs[0]), str(_SOURCE)],
-                 [_compiler(), *_CFLAGS, *_VNNI_CFLAGS, "-c", "-o", str(objs[1]), str(_SOURCE)])
-            _run([_cxx_compiler(), *cxxflags, "-o", str(built), str(_OP_SOURCE),
-                  *map(str, objs), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10",
-                  "-ltorch_cpu"])
+                 [_compiler(), *_CFLAGS, *_VNNI_CFLAGS, "-c", "-o", str(objs[1]), str(_SOURCE)],
+                 [_cxx_compiler(), *cxxflags, "-c", "-o", str(objs[2]), str(_OP_SOURCE)])
+            _run([_cxx_compiler(), *cxxflags, "-o", str(built), *map(str, objs),
+                  f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu"])
             os.replace(built, path)          # NOTE: atomic: a racing process sees all or none
         logger.info("compiled the GGUF CPU kernel into %s in %.1f s", path,
                     time.perf_counter() - start)
