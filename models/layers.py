@@ -144,6 +144,12 @@ class QuantLinear(nn.Module):
                           weight.offset() + 8.0 * scale)          # (q - 8) s + z = s q + o
         self.packed, self.scales_and_zeros = pack_int4([int4], torch.device(device))
 
+    @property
+    def rounds_activations(self) -> bool:
+        """Whether the input is rounded to int8 (per group of 32) before the matmul: rung's
+        kernel does, torch's int4 kernel takes bfloat16 as it is."""
+        return self.kernel == "rung"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)                          # [M, in]
         if self.kernel == "rung" and self.segments:

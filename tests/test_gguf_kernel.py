@@ -154,3 +154,24 @@ def test_embedding_lookup_decodes_the_rows_the_dequantized_table_holds(type_name
     assert torch.equal(embedding.to(torch.bfloat16)(ids), table[ids].bfloat16())
     with pytest.raises(ValueError, match="40 rows"):
         embedding(torch.tensor([2, 40]))
+
+
+def test_capture_check_takes_an_int8_rounding_flip_and_refuses_a_wrong_row():
+    """Per-layer graphs' capture check (graphs/layered.py): an artifact whose input rounds
+    one activation a step apart from eager's (inductor's fused norm differs from eager in
+    the last bit) still goes live; a wrong row (another request's) does not."""
+    from rung.graphs.layered import reproduces_eager
+
+    weight = block_weight(raw_blocks("Q8_0", 256, 512, seed=3), "Q8_0", (256, 512))
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(0))
+    x[:, 0] = 12.7                  # each row's first group: max 12.7, one step 0.1
+    x[:, 1] = 0.25 + 1e-5           # eager rounds it to 3 steps ...
+    nudged = x.clone()
+    nudged[:, 1] = 0.25 - 1e-5      # ... the artifact, a hair below, to 2
+    want, got = gguf_gemm(x, weight), gguf_gemm(nudged, weight)
+    assert not torch.allclose(got, want, rtol=1e-3, atol=1e-4)     # past elementwise
+    assert reproduces_eager(got, want, rounded=True)
+    assert not reproduces_eager(got, want, rounded=False)          # float layers: as before
+    wrong = got.clone()
+    wrong[1] = want[2]
+    assert not reproduces_eager(wrong, want, rounded=True)
