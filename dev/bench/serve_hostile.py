@@ -1,4 +1,4 @@
-"""A victim's latency on `rung serve` while one hostile client attacks it (issue #35).
+"""A victim's latency on `rung serve` while one hostile client attacks it.
 
 Starts the server (tiny-llama unless --model), times a victim's 16-token greedy completion
 alone, then while one hostile client runs each attack in a loop, and prints the ratio per
