@@ -1,6 +1,6 @@
 """Tensor-to-host conversions per engine step: on a GPU each one is a device sync.
 
-    python -m rung.bench.host_syncs                 (the table of issue 24)
+    python -m rung.bench.host_syncs                 (every workload, one table)
     python -m rung.bench.host_syncs --debug-padding --num-reqs 16 --max-tokens 24
 
 Counts every call of ``tolist``, ``item``, ``cpu``, ``numpy``, ``int()``, ``float()`` and
@@ -111,7 +111,7 @@ def conversions_per_step(engine, add_requests, cuda_syncs: bool = False
 CUDA_SYNC = "cuda_sync"
 
 
-# --- the issue's table ------------------------------------------------------------------------
+# --- the workloads ---------------------------------------------------------------------------
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 MTP = {"method": "mtp", "model": "tiny-gemma4-mtp", "num_speculative_tokens": 3}
 GREEDY = {"temperature": 0.0}

@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3, help="draft rounds trained (k)")
     p.add_argument("--seed", type=int, default=0)
     # NOTE: one thread: the tensors are small, and on a shared machine more threads wait on
-    # each other (4x slower on 2 busy cores).
+    # each other.
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
     if args.threads:

@@ -109,8 +109,8 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device |
     """A zeroed KV cache of ``kv_cache_shape``.
 
     NOTE: on CPU it is an anonymous memory map, which the OS fills with zero pages as they
-    are first touched; torch.zeros writes every byte up front (SmolLM2 at its default
-    max_model_len: 2 GiB, 2.3 s of every start) and keeps it all resident from the start.
+    are first touched; torch.zeros writes every byte up front (seconds of every start for
+    a default max_model_len) and keeps it all resident from the start.
     """
     shape = kv_cache_shape(spec, num_blocks)
     if torch.device(device).type != "cpu":

@@ -2,7 +2,7 @@
 where the CPU has it), fp32 activations, every common GGUF type in its own bits.
 
 torch's CPU int4 kernel (``aten::_weight_int4pack_mm_for_cpu``) converts every weight to
-float before its FMA, and on AVX2 it is compute-bound (``bench/gemv_bandwidth.py``).
+float before its FMA, and on AVX2 it is compute-bound, not bound by the weight stream.
 ``csrc/gguf_gemm.c`` does what llama.cpp does: each 32-group of an activation row is
 rounded to int8 with its own scale, once per matmul, and a group's dot product with the
 weight's 4- to 8-bit values is one integer dot (``maddubs`` + ``madd``, or VNNI's
@@ -18,8 +18,9 @@ The kernel is the op ``rung::gguf_gemm`` (an opaque call inductor keeps in compi
 graphs), its CPU implementation in C++ (``csrc/gguf_op.cpp``): the dispatcher calls the C
 kernel with no Python in between. Both are compiled once per machine and torch version
 with the system compilers (the C++ one inductor uses) into ``$RUNG_CACHE_DIR/kernels``
-(the C source twice, AVX2 and AVX-512 VNNI, chosen at run time: ``set_isa``; ~15-90 s of
-CPU the first time, torch's headers; loading the cached library takes milliseconds).
+(the C source twice, AVX2 and AVX-512 VNNI, side by side, chosen at run time: ``set_isa``;
+the first build parses torch's headers and dominates a cold start; loading the cached
+library is quick).
 The op splits its work over torch's intra-op pool (``csrc/gguf_op.cpp``).
 """
 
@@ -192,9 +193,8 @@ def rows_in_one_buffer(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     NOTE: a decode step streams every weight from DRAM once. In one buffer the kernel's
     prefetch past the end of a weight warms the next one, and on huge pages neither the
     TLB nor the hardware prefetcher stops at each 4 KB page (torch's allocator asks for
-    none; THP is "madvise" on most distributions): SmolLM2's step matmuls, one thread,
-    41 interleaved rounds at load 2.5: 9.66 vs 11.15 ms (bench/gguf_kernel_ab.py's
-    weights, separate tensors vs this buffer). Without THP the buffer is still one.
+    none; THP is "madvise" on most distributions; docs/performance.md has the step's
+    matmuls in separate tensors vs this buffer). Without THP the buffer is still one.
     """
     if not rows:
         return []
@@ -304,8 +304,7 @@ def gguf_gemm(x: torch.Tensor, weight: GGUFBlockWeight) -> torch.Tensor:
 
 
 # NOTE: the CPU kernel is csrc/gguf_op.cpp (``load_kernel``): a Python kernel behind the
-# dispatcher cost ~10 us more a call than an aten op's (at load 5: 20 vs 10.7 us a call,
-# ~120 calls a step).
+# dispatcher would add Python to each of a step's ~120 calls.
 _LIBRARY = torch.library.Library("rung", "FRAGMENT")
 _LIBRARY.define("gguf_gemm(Tensor x, Tensor rows, int code) -> Tensor")
 _LIBRARY.impl("gguf_gemm", lambda x, rows, code: x.new_empty(

@@ -8,7 +8,7 @@ group of ``GROUP_SIZE`` consecutive weights along K; it stands for
 (the convention of ``aten::_weight_int4pack_mm``: ``int4_reference`` is the oracle, and the
 tests hold the kernels to it). The kernels read activations, scales and zeros in bfloat16
 (``ACTIVATION_DTYPE``): the CPU kernel has fp16/fp32 variants too, but they are scalar
-loops (12x slower than bf16 on SmolLM2's shapes, AVX2), and the CUDA kernel takes bf16 only.
+loops (far slower than bf16; docs/performance.md), and the CUDA kernel takes bf16 only.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def select_backend(name: str, device: torch.device,
     key = name.upper()
     auto_order = ["FLASH_ATTN", "TRITON", "TORCH"] if device.type == "cuda" else ["TORCH"]
     # NOTE: the optional backends are imported only when one may be picked: importing
-    # Triton costs ~1 s of a CPU engine's start-up, which never uses it
+    # Triton costs a CPU engine's start-up time it never uses
     torch_only = key == "TORCH" or (key == "AUTO" and auto_order == ["TORCH"])
     backends = _BACKENDS if torch_only else _known()
     if key == "AUTO":

@@ -222,7 +222,7 @@ def tied_head_fp32_t(model: nn.Module) -> torch.Tensor | None:
     """W^T [hidden, vocab] fp32 of a tied ``lm_head``, taken before the model is cast to
     bf16 (``lm_head_logits`` then computes fp32 logits from it: bf16 logits round 16-32
     to steps of 0.125 and tie greedy choices, and torch's bf16 GEMV on AVX2 is no faster
-    than fp32: SmolLM2's head at 1 row 29.8 vs 28.6 ms, ``x @ W^T`` in bf16 624 ms)."""
+    than fp32; docs/performance.md)."""
     head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if head is None or embed is None or getattr(head, "weight", None) is not embed.weight:
@@ -280,14 +280,12 @@ def pretranspose_linear_weights(model: nn.Module) -> int:
     return changed
 
 
-# NOTE: MKL (1 thread, AVX2) on SmolLM2's 49152 x 576 tied head, ms at 1 / 2 / 3 / 4 / 8 /
-# 16 / 64 / 256 rows (``python -m rung.bench.head_kernels``, interleaved, load 0.7):
-#   x @ W^T(contiguous)          9.9 / 19.4 / 28.5 / 57.8 / 73.1 / 79.5 / 138 / 383
-#   F.linear(x, W)              17.2 / 40.4 / 51.9 / 42.5 / 55.5 / 59.0 / 124 / 366
-#   (W @ x^T)^T, a tall GEMM    18.0 / 22.4 / 24.9 / 20.7 / 36.3 / 54.8 / 115 / 376
-# The tall GEMM streams the weight once for every row count; x @ W^T is a GEMV at 1 row.
+# NOTE: on MKL a tied head's W^T copy (x @ W^T) is a GEMV at 1 row, the fastest kernel
+# for a few rows; past them the tall GEMM (W @ x^T)^T on the row-major weight streams it
+# once for every row count, faster than x @ W^T or F.linear(x, W) (docs/performance.md,
+# "The lm head's kernels by row count"; ``python dev/bench/head_kernels.py``).
 # NOTE: 3, not 2: the compiled epilogue of rows 1-2 does not stay symbolic (torch 2.13's
-# inductor specialised it to its 2-row example), and 3 rows lose only 3.6 ms.
+# inductor specialised it to its 2-row example), and 3 rows lose little.
 MAX_ROWS_TRANSPOSED_HEAD = 3
 MAX_TRANSPOSED_HEAD_NUMEL = 1 << 25      # the copy costs memory: 128 MiB in fp32 at most
 

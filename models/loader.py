@@ -100,7 +100,7 @@ def resolve_config(model: str) -> tuple[dict, str | None]:
 @contextlib.contextmanager
 def _skip_random_init(skip: bool) -> Iterator[None]:
     """Modules built inside skip torch's random initial values (``nn.Linear`` and
-    ``nn.Embedding`` draw them: 2 s of SmolLM2's start) when every weight is loaded next.
+    ``nn.Embedding`` draw them: seconds of a start) when every weight is loaded next.
     NOTE: only for real loads; ``check_all_loaded`` proves no parameter kept its garbage."""
     if not skip:
         yield

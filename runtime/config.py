@@ -101,9 +101,9 @@ class CompilationConfig:
     # ``auto_startup``: blocking for emulated graphs, the tests' oracle) and blocking under
     # data parallel (ranks must agree on the graphs they replay).
     graph_startup: str = "auto"
-    # compiled CPU graphs: one artifact per decoder-layer kind, called once per layer
-    # (compile ~25 s for SmolLM2's whole ladder), or False: the whole forward in one artifact
-    # (~6 min cold, no faster: decode steps 0.998x at 1 request, 0.991x at 8; see README)
+    # compiled CPU graphs: one artifact per decoder-layer kind, called once per layer, so
+    # the compile grows with neither depth nor ladder; or False: the whole forward in one
+    # artifact (a far longer cold compile for the same step; docs/performance.md)
     per_layer_graphs: bool = True
     # compiled CPU graphs: the threads their kernels are generated for (part of the cache
     # key); None -> torch.get_num_threads() of the engine. A background compile's subprocess

@@ -50,9 +50,9 @@
  *   fma (the int16 sum of the two maddubs is at most 2 * 2 * 15 * 127, no saturation);
  *   every other type decodes one group into 32 bytes in k order (activations in order);
  * - the scales s dx (and the z term) are converted 8 groups at a time in registers;
- * - the weight stream is prefetched PREFETCH_AHEAD bytes ahead (measured: the hardware
- *   prefetcher alone left a step's matmuls at a fraction of the read bandwidth, since
- *   the 4-row tiles read 4 streams at once); a prefetch never faults, and past the end
+ * - the weight stream is prefetched PREFETCH_AHEAD bytes ahead (the hardware prefetcher
+ *   alone does not keep up with the 4 streams a 4-row tile reads at once;
+ *   docs/performance.md); a prefetch never faults, and past the end
  *   of one weight it warms the next one when the weights are laid out in call order.
  * - prefill: a tile of up to 4 activation rows reuses each decoded block across them;
  *   the caller (csrc/gguf_op.cpp) splits (row tile x weight-row chunk) over threads.
@@ -68,7 +68,7 @@
 #define CHUNK 8                 /* blocks whose scales are converted at once */
 #define MAX_ROWS 4              /* activation rows of a tile */
 #define MAX_WROWS 4             /* weight rows of a tile */
-#define PREFETCH_AHEAD 4096     /* bytes (bench/gguf_kernel_ab.py: 2-8 KB measured alike) */
+#define PREFETCH_AHEAD 4096     /* bytes: a few pages ahead (dev/bench/gguf_kernel_ab.py) */
 /* kernels/gguf_cpu.py TYPE_CODES */
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7 };
 

@@ -1,6 +1,6 @@
 // rung::gguf_gemm's CPU kernel in C++: the dispatcher calls csrc/gguf_gemm.c straight,
-// with no Python in between (a compiled decode step makes ~120 of these calls; through a
-// Python kernel each cost ~10 us more than an aten op's call, kernels/gguf_cpu.py). It
+// with no Python in between (a compiled decode step makes ~120 of these calls, and a
+// Python kernel would add its interpreter to each). It
 // rounds the activations once per call, then splits the output over torch's intra-op
 // pool (the engine's thread count; never a pool of its own): weight-row chunks for a few
 // activation rows (decode), (weight-row chunk x activation-row tile) for prefill. The

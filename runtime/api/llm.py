@@ -65,8 +65,8 @@ class LLM:
         vLLM's V1 engine.
 
         ``batch_invariant`` (None: $RUNG_BATCH_INVARIANT == "1"): a request's logits, so its
-        greedy and seeded tokens, do not depend on the batch it runs in (README says what
-        is promised and what it costs)."""
+        greedy and seeded tokens, do not depend on the batch it runs in (docs/ARCHITECTURE.md
+        says what is promised, docs/performance.md what it costs)."""
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} is unsupported: "
                              "rung runs a model on one device (data_parallel_size runs "

@@ -16,7 +16,7 @@ one thread, next to the read bandwidth (``sum`` over as many bytes as the weight
 - ``torch int4``  torch's ``_weight_int4pack_mm_for_cpu`` on the layers (bf16 x), bytes
                   as packed (4-bit values, bf16 scale and zero per group).
 
-    OMP_NUM_THREADS=1 python -m rung.bench.gemv_bandwidth --rows 1 --rounds 7
+    OMP_NUM_THREADS=1 python dev/bench/gemv_bandwidth.py --rows 1 --rounds 7
 """
 
 from __future__ import annotations

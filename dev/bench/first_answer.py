@@ -6,7 +6,7 @@ variants alternate (A B A B ...). ``--busy N`` keeps N CPU-bound processes runni
 every timed run (a busy machine). Prints seconds from process start to the answer, CPU
 seconds of the process, and the answer text (the two must agree).
 
-    python -m rung.bench.first_answer --model smollm2-135m --rounds 2 [--warm] [--busy 2]
+    python dev/bench/first_answer.py --model smollm2-135m --rounds 2 [--warm] [--busy 2]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ while a compile runs.
    inductor compile (GIL contention on a small machine).
 
     OMP_NUM_THREADS=1 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) \\
-        python -m rung.bench.graph_compile --model smollm2-135m --size 8
+        python dev/bench/graph_compile.py --model smollm2-135m --size 8
 """
 
 from __future__ import annotations

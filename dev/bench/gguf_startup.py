@@ -2,7 +2,7 @@
 against the dequantizing load, interleaved (A B A B ...) in one process; each load parses
 the file anew. Both in fp32 activations, rung's CPU default for either.
 
-    OMP_NUM_THREADS=1 python -m rung.bench.gguf_startup --model smollm2-135m --rounds 3
+    OMP_NUM_THREADS=1 python dev/bench/gguf_startup.py --model smollm2-135m --rounds 3
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 at 1 and 8 requests, interleaved A B A B in one process, one torch thread.
 
     OMP_NUM_THREADS=1 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) \\
-        python -m rung.bench.per_layer_replay --model smollm2-135m
+        python dev/bench/per_layer_replay.py --model smollm2-135m
 
 "per_layer": one artifact per decoder layer kind, called once per layer
 (``compilation_config.per_layer_graphs``, the default); "whole": the whole forward in one artifact.

@@ -2,7 +2,7 @@
 eager vs PIECEWISE (pieces between attention ops, as compiled CPU graphs capture them),
 interleaved A B A B, one torch thread.
 
-    OMP_NUM_THREADS=1 python -m rung.bench.piecewise_cpu --model smollm2-135m
+    OMP_NUM_THREADS=1 python dev/bench/piecewise_cpu.py --model smollm2-135m
 
 On CPU a PIECEWISE "graph" replays its FX pieces as torch ops (``compilation_config``
 ``backend="eager"``, the default) and copies their outputs into static buffers: it saves

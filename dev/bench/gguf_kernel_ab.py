@@ -7,7 +7,7 @@ random blocks) through each build in turn, A B A B ..., called straight through 
 with preallocated inputs and outputs, so only the kernel is timed. The default compares
 the committed kernel (``git show HEAD:kernels/csrc/gguf_gemm.c``) with the working tree's.
 
-    OMP_NUM_THREADS=1 python -m rung.bench.gguf_kernel_ab --rows 1 --rounds 21
+    OMP_NUM_THREADS=1 python dev/bench/gguf_kernel_ab.py --rows 1 --rounds 21
 
 Per build: the step's median and minimum (layers alone, head alone; on a shared machine
 the minimum is the round least disturbed), GB/s over the bytes read and cycles a block

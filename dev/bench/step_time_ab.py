@@ -1,7 +1,7 @@
 """Decode step time of two rung checkouts, interleaved A B A B, one torch thread each.
 
     git archive main | tar -x -C /tmp/rung-main     # any other checkout of rung
-    python -m rung.bench.step_time_ab --old /tmp/rung-main --rounds 3
+    python dev/bench/step_time_ab.py --old /tmp/rung-main --rounds 3
 
 Each measurement runs in a fresh subprocess (so both versions see the same warm machine):
 bench-llama, 64 requests of 16 prompt tokens, 48 new tokens, eager, and reports the median
@@ -9,7 +9,7 @@ time of one ``LLMEngine.step()`` once every request decodes. Workloads: sampled
 (temperature 0.8, top-p 0.95) and the same under n-gram speculation (k = 3). Ratios are
 new / old of the per-round medians.
 
-    python -m rung.bench.step_time_ab --phases          (this checkout only)
+    python dev/bench/step_time_ab.py --phases          (this checkout only)
 
 splits the same decode steps into the host path (schedule, input prep and metadata, the
 sampling batch, unpacking, commit and outputs, n-gram drafting) and the model and sampler
@@ -148,10 +148,9 @@ def _run(pythonpath: str | None, workload: str, args: argparse.Namespace,
     env = dict(os.environ, OMP_NUM_THREADS="1", RUNG_GRAPH_BACKEND="emulated")
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    cmd = [sys.executable, "-m", "rung.bench.step_time_ab", "--worker", workload,
+    # NOTE: this file by path, for both checkouts: the old one may not ship it
+    cmd = [sys.executable, __file__, "--worker", workload,
            "--num-reqs", str(args.num_reqs), "--max-tokens", str(args.max_tokens), *extra]
-    if pythonpath:      # the old checkout may not ship this module: run this file by path
-        cmd[1:3] = [__file__]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -1,6 +1,6 @@
 """Microbenchmarks: Triton KV write and paged attention against the torch reference.
 
-    python -m pytest bench/bench_kernels.py --benchmark-only -p no:cacheprovider -o addopts=''
+    python -m pytest dev/bench/bench_kernels.py --benchmark-only -p no:cacheprovider -o addopts=''
 
 On CPU the Triton kernels run under the interpreter, so the sizes are tiny and the numbers
 only show the harness works; on CUDA the sizes are real.

@@ -2,7 +2,7 @@
 greedy tokens each) with ``batch_invariant`` off and on, at 1 and 8 requests, the two
 engines interleaved A B A B in one process, eager, one torch thread.
 
-    python -m rung.bench.batch_invariant_cost --model smollm2-135m --rounds 3
+    python dev/bench/batch_invariant_cost.py --model smollm2-135m --rounds 3
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 x @ W^T (a contiguous W^T copy), F.linear(x, W) and the tall GEMM (W @ x^T)^T, on a random
 row-major [vocab, hidden] weight, interleaved A B C C B A in one process, one torch thread.
 
-    python -m rung.bench.head_kernels [--vocab 49152 --hidden 576 --rounds 6]
+    python dev/bench/head_kernels.py [--vocab 49152 --hidden 576 --rounds 6]
 """
 
 from __future__ import annotations

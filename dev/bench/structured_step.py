@@ -1,6 +1,6 @@
 """Decode step time with a grammar active vs without, interleaved A B A B in one process.
 
-    python -m rung.bench.structured_step --model smollm2-135m --rounds 4
+    python dev/bench/structured_step.py --model smollm2-135m --rounds 4
 
 Each round runs ``num_reqs`` requests (greedy, 48 new tokens, eager) twice: free, then each
 constrained to a JSON schema (or the reverse on odd rounds), and takes the median time of

@@ -1,8 +1,8 @@
-"""A victim's latency on `rung serve` while one hostile client attacks it (issue #35).
+"""A victim's latency on `rung serve` while one hostile client attacks it.
 
 Starts the server (tiny-llama unless --model), times a victim's 16-token greedy completion
 alone, then while one hostile client runs each attack in a loop, and prints the ratio per
-attack. Run: ``python bench/serve_hostile.py [--model M] [--rounds 5]``.
+attack. Run: ``python dev/bench/serve_hostile.py [--model M] [--rounds 5]``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The F32 file holds exactly the fp32 weights rung's dequantizing loader reads fro
 quantized file, so rung (fp32), HF transformers and llama.cpp can be compared on one
 set of weights at the memory limit of fp32 GEMV:
 
-    python -m rung.bench.f32_gguf SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smollm2-f32.gguf
+    python dev/bench/f32_gguf.py SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smollm2-f32.gguf
 """
 
 from __future__ import annotations
