@@ -4,8 +4,9 @@ Per layer qkv, o, gate_up and down (every ``nn.Linear`` of the model, in module 
 a quantized ``QuantLinear`` runs its own kernel on its blocks), plus ``lm_head`` for the
 sampled rows; no norms, RoPE, attention, KV writes, sampling or
 host bookkeeping. Inputs and outputs are preallocated, so a step allocates nothing.
-Weights are held pre-transposed (W^T contiguous, ``x @ Wt``), the fastest layout for the
-CPU GEMM, so rung cannot beat the floor by changing its own weight layout.
+Float weights are held pre-transposed (W^T contiguous, ``x @ Wt``), the fastest layout for
+BLAS, so rung cannot beat the floor by changing its own weight layout; a float32 layer
+rung runs through its own GEMV (``rung::f32_linear``) runs that kernel here too.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from rung.bench.stats import sync
-from rung.models.layers import QuantLinear
+from rung.models.layers import QuantLinear, is_f32_gemv
 
 
 class MatmulFloor:
@@ -25,10 +26,11 @@ class MatmulFloor:
     def __init__(self, model: nn.Module, num_reqs: int) -> None:
         # (x [num_reqs, in], W^T [in, out] contiguous, bias [out] | None, out [num_reqs, out])
         self.ops: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
-        self.quant_ops: list[tuple[torch.Tensor, QuantLinear]] = []    # (x [num_reqs, in], layer)
+        # (x [num_reqs, in], a layer that runs its own kernel)
+        self.quant_ops: list[tuple[torch.Tensor, nn.Module]] = []
         gen = torch.Generator().manual_seed(0)
         for linear in _linears(model):
-            if isinstance(linear, QuantLinear):
+            if isinstance(linear, QuantLinear) or is_f32_gemv(linear):
                 x = torch.randn(num_reqs, linear.in_features, generator=gen)
                 self.quant_ops.append((x, linear))
                 continue

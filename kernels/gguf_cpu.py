@@ -1,5 +1,6 @@
 """GGUF block-quantized matmuls on x86 CPUs: rung's own kernel (AVX2, and AVX-512 VNNI
-where the CPU has it), fp32 activations, every common GGUF type in its own bits.
+where the CPU has it), fp32 activations, every common GGUF type in its own bits; and the
+float32 GEMV of a CPU model's float linears (``f32_linear``), built with it.
 
 torch's CPU int4 kernel (``aten::_weight_int4pack_mm_for_cpu``) converts every weight to
 float before its FMA, and on AVX2 it is compute-bound, not bound by the weight stream.
@@ -309,6 +310,19 @@ _LIBRARY = torch.library.Library("rung", "FRAGMENT")
 _LIBRARY.define("gguf_gemm(Tensor x, Tensor rows, int code) -> Tensor")
 _LIBRARY.impl("gguf_gemm", lambda x, rows, code: x.new_empty(
     x.shape[0], rows.shape[0], dtype=torch.float32), "Meta")
+_LIBRARY.define("f32_linear(Tensor x, Tensor weight) -> Tensor")
+_LIBRARY.impl("f32_linear", lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]),
+              "Meta")
+
+
+def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N], all float32, eagerly or inside a compiled
+    graph (the op ``rung::f32_linear``): a few rows stream the row-major weight once
+    (csrc/gguf_gemm.c's f32_gemv, every element summed in an order fixed by K), more rows
+    are BLAS's GEMM."""
+    if not torch.compiler.is_compiling():
+        load_kernel()
+    return torch.ops.rung.f32_linear.default(x, weight)
 
 
 def gguf_embed(ids: torch.Tensor, weight: GGUFBlockWeight) -> torch.Tensor:

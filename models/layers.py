@@ -12,6 +12,7 @@ from torch import nn
 from rung.kernels.batch_invariant import is_batch_invariant
 from rung.kernels.gguf_cpu import (
     GGUFBlockWeight,
+    f32_linear,
     gguf_embed,
     gguf_gemm,
     load_kernel,
@@ -250,6 +251,56 @@ def pack_quant_linears(model: nn.Module, device: torch.device | str) -> None:
             embedding.rows = moved[id(embedding.rows)]
 
 
+class _F32Gemv:
+    """Mixed into a float32 ``nn.Linear`` class on CPU (see `use_f32_gemv`): the forward
+    is ``rung::f32_linear`` on the row-major weight (one streaming pass for a few rows,
+    BLAS's GEMM for more), then the bias."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = f32_linear(x.reshape(-1, self.in_features), self.weight)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+_GEMV_CLASSES: dict[type, type] = {}
+
+
+def is_f32_gemv(module: nn.Module) -> bool:
+    return isinstance(module, _F32Gemv)
+
+
+def use_f32_gemv(model: nn.Module) -> int:
+    """Every float32 ``nn.Linear`` of ``model`` (a tied head included: it reads the
+    embedding's rows, no copy) computes through ``rung::f32_linear``; how many. BLAS's GEMV
+    reads a decode step's weights well under the memory bandwidth in either layout
+    (docs/performance.md); the weights stay row-major, as loaded."""
+    changed = 0
+    for module in model.modules():
+        cls = type(module)
+        if (not isinstance(module, nn.Linear) or module.weight.dtype != torch.float32
+                or module.weight.device.type != "cpu" or issubclass(cls, _F32Gemv)):
+            continue
+        if not module.weight.is_contiguous():
+            module.weight = nn.Parameter(module.weight.detach().contiguous(),
+                                         requires_grad=False)
+        if cls not in _GEMV_CLASSES:
+            _GEMV_CLASSES[cls] = type(f"F32Gemv{cls.__name__}", (_F32Gemv, cls), {})
+        module.__class__ = _GEMV_CLASSES[cls]
+        changed += 1
+    return changed
+
+
+def lay_out_cpu_linears(model: nn.Module) -> None:
+    """A CPU model's float linears: float32 ones through rung's GEMV kernel where it
+    builds (`use_f32_gemv`), the rest (bfloat16, or no C compiler) as W^T for BLAS
+    (`pretranspose_linear_weights`)."""
+    if gguf_cpu_available() is None:
+        load_kernel()
+        use_f32_gemv(model)
+    pretranspose_linear_weights(model)
+
+
 def pretranspose_linear_weights(model: nn.Module) -> int:
     """Store every untied ``nn.Linear`` weight as W^T in memory; returns how many changed.
 
@@ -264,13 +315,14 @@ def pretranspose_linear_weights(model: nn.Module) -> int:
     changed = 0
     head = getattr(model, "lm_head", None)
     if (getattr(model, "transposed_tied_head", False) and isinstance(head, nn.Linear)
-            and id(head.weight) in tied
+            and not is_f32_gemv(head) and id(head.weight) in tied
             and head.weight.numel() <= MAX_TRANSPOSED_HEAD_NUMEL
             and getattr(head, "weight_t", None) is None):
         head.register_buffer("weight_t", head.weight.detach().t().contiguous(),
                              persistent=False)                  # [hidden, vocab]
     for module in model.modules():
-        if not isinstance(module, nn.Linear) or id(module.weight) in tied:
+        if not isinstance(module, nn.Linear) or id(module.weight) in tied or \
+                is_f32_gemv(module):
             continue
         weight = module.weight.detach()
         if weight.t().is_contiguous():
@@ -294,7 +346,7 @@ def lm_head_logits(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [num_rows, hidden] -> logits [num_rows, vocab] fp32 through ``head``: its
     W^T copy (``weight_t``, see ``pretranspose_linear_weights``) for a few rows, else on
     CPU a row-major weight as the tall GEMM W @ hidden^T (the table above)."""
-    if isinstance(head, QuantLinear) or is_batch_invariant(head):
+    if isinstance(head, QuantLinear) or is_batch_invariant(head) or is_f32_gemv(head):
         return head(hidden).float()
     weight_t = getattr(head, "weight_t", None)
     if weight_t is not None and weight_t.dtype != hidden.dtype:

@@ -23,8 +23,8 @@ from rung.models.layers import (
     STACKED_PARAMS,
     MergedLinear,
     init_random_weights,
+    lay_out_cpu_linears,
     pack_quant_linears,
-    pretranspose_linear_weights,
     quant_kernel,
     tied_head_fp32_t,
     use_quant_linears,
@@ -177,7 +177,7 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cp
         net.load_weights(iterate_safetensors(weights))
     net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if torch.device(device).type == "cpu":
-        pretranspose_linear_weights(net)   # the CPU GEMM is fastest on x @ Wt
+        lay_out_cpu_linears(net)
     tokenizer = ByteTokenizer() if folder is None else load_tokenizer(folder, cfg)
     stop_ids = () if folder is None else _generation_stop_ids(folder, cfg)
     return LoadedModel(net, cfg, tokenizer, model, random_weights, stop_ids)
@@ -405,5 +405,5 @@ def _gguf_weights(net: nn.Module, gguf_model: GGUFModel, dtype: torch.dtype, dev
         net.lm_head.register_buffer("weight_t", head_t.to(device), persistent=False)
     pack_quant_linears(net, device)
     if torch.device(device).type == "cpu":
-        pretranspose_linear_weights(net)
+        lay_out_cpu_linears(net)
     return net

@@ -288,7 +288,9 @@ def test_logits_from_the_graph_match_eager_either_side_of_the_transposed_head(mo
     MAX_ROWS_TRANSPOSED_HEAD rows and the tall GEMM past it: one size-8 graph replays 3 and 6
     requests, one on each side, with eager's tokens and logprobs; with the W^T copy
     negated (in both engines) they still agree, so each side reads the weights eager's
-    branch reads."""
+    branch reads. (The head's BLAS path: where rung's float32 GEMV cannot build.)"""
+    from rung.models import layers
+    monkeypatch.setattr(layers, "gguf_cpu_available", lambda: "no C compiler (test)")
     kwargs = dict(max_num_seqs=8, max_model_len=64, num_gpu_blocks_override=40)
     compiled = LLM("tiny-qwen3", compilation_config={
         "cudagraph_mode": "full_decode_only", "cudagraph_capture_sizes": [8],

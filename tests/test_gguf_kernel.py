@@ -175,3 +175,33 @@ def test_capture_check_takes_an_int8_rounding_flip_and_refuses_a_wrong_row():
     wrong = got.clone()
     wrong[1] = want[2]
     assert not reproduces_eager(wrong, want, rounded=True)
+
+
+@pytest.mark.parametrize("shape", [(1, 7, 5), (3, 13, 64), (4, 960, 576), (16, 130, 33),
+                                   (17, 50, 64)])
+def test_f32_linear_matches_fp64_and_is_the_same_bits_in_any_batch(shape):
+    """rung::f32_linear (a CPU model's float32 linears): x @ w^T within fp32 rounding of
+    the fp64 product, a row's bits the same alone or among up to 16 rows, on either ISA
+    and any thread count."""
+    from rung.kernels.gguf_cpu import f32_linear
+
+    num_rows, num_out, num_in = shape
+    gen = torch.Generator().manual_seed(num_out)
+    x = torch.randn(num_rows, num_in, generator=gen)
+    w = torch.randn(num_out, num_in, generator=gen)
+    want = (x.double() @ w.double().t()).float()
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for isa, num_threads in (("avx2", 1), (None, 1), (None, 3)):
+            gguf_cpu.set_isa(isa)
+            torch.set_num_threads(num_threads)
+            outs.append(f32_linear(x, w))
+            torch.testing.assert_close(outs[-1], want, rtol=1e-5, atol=1e-4)
+    finally:
+        gguf_cpu.set_isa(None)
+        torch.set_num_threads(threads)
+    if num_rows <= 16:                       # the GEMV's rows; more are BLAS's GEMM
+        assert all(torch.equal(out, outs[0]) for out in outs)
+        alone = torch.cat([f32_linear(x[i:i + 1], w) for i in range(num_rows)])
+        assert torch.equal(alone, outs[0])

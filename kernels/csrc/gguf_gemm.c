@@ -60,6 +60,7 @@
  * x [M, K] fp32 and out [M, N] fp32 are row-major and contiguous.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -577,4 +578,94 @@ void GGUF_FN(gguf_round)(const float *x, int64_t M, int64_t K, int type, int8_t 
                          float *dx, float *xsum) {
     const int64_t G = K / QK, G_padded = (G + CHUNK - 1) / CHUNK * CHUNK;
     round_rows(x, M, K, is_legacy(type) && type != Q8_0, xq, dx, xsum, G_padded);
+}
+
+/* ---- float32 weights: out = x @ w^T for a few activation rows (decode) ----
+ * Each output element is one dot product of an activation row and a weight row, summed in
+ * 16 lanes over 16-float steps of k in order (one 512-bit register, or two 256-bit ones),
+ * the lanes l and l + 8 added, one horizontal sum, then the k % 16 tail in order: fixed by K alone, whatever the tile,
+ * thread split or ISA build (the same INVARIANT as above). Bound by the weight stream like
+ * the quantized tiles: weight rows stream once per tile of up to 4 activation rows, each
+ * prefetched PREFETCH_AHEAD bytes ahead, once per cache line. */
+#ifdef GGUF_VNNI
+/* 16 lanes: lane l holds k = l (mod 16); its halves added are the AVX2 path's lo + hi */
+typedef __m512 f32_acc;
+#define ACC_ZERO() _mm512_setzero_ps()
+#define ACC_LOAD(p) _mm512_loadu_ps(p)
+#define ACC_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define ACC_HALVES(v) _mm256_add_ps(_mm512_castps512_ps256(v), \
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
+#else
+/* two sets of 8 lanes: lo holds k = l (mod 16), hi k = l + 8 (mod 16) */
+typedef struct { __m256 lo, hi; } f32_acc;
+static inline f32_acc acc_zero(void) { f32_acc a = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return a; }
+static inline f32_acc acc_load(const float *p) {
+    f32_acc a = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return a;
+}
+static inline f32_acc acc_fma(f32_acc a, f32_acc b, f32_acc c) {
+    f32_acc r = {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+    return r;
+}
+#define ACC_ZERO() acc_zero()
+#define ACC_LOAD(p) acc_load(p)
+#define ACC_FMA(a, b, c) acc_fma(a, b, c)
+#define ACC_HALVES(v) _mm256_add_ps((v).lo, (v).hi)
+#endif
+
+static inline __attribute__((always_inline)) void f32_tile(
+        int NB, int MB, const float *x, int64_t K, const float *w, int64_t N, int64_t n,
+        int64_t m0, float *out) {
+    f32_acc acc[MAX_WROWS][MAX_ROWS];
+    for (int i = 0; i < NB; ++i)
+        for (int j = 0; j < MB; ++j)
+            acc[i][j] = ACC_ZERO();
+    const int64_t K16 = K / 16 * 16;
+    for (int64_t k = 0; k < K16; k += 16) {
+        f32_acc xv[MAX_ROWS];
+        for (int j = 0; j < MB; ++j)
+            xv[j] = ACC_LOAD(x + (m0 + j) * K + k);
+        for (int i = 0; i < NB; ++i) {
+            const float *row = w + (n + i) * K + k;
+            _mm_prefetch((const char *)row + PREFETCH_AHEAD, _MM_HINT_T0);
+            const f32_acc wv = ACC_LOAD(row);
+            for (int j = 0; j < MB; ++j)
+                acc[i][j] = ACC_FMA(wv, xv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < NB; ++i)
+        for (int j = 0; j < MB; ++j) {
+            float sum = hsum(ACC_HALVES(acc[i][j]));
+            for (int64_t k = K16; k < K; ++k)
+                sum = fmaf(w[(n + i) * K + k], x[(m0 + j) * K + k], sum);
+            out[(m0 + j) * N + n + i] = sum;
+        }
+}
+
+#define F32_TILE(NB, MB) f32_tile(NB, MB, x, K, w, N, n, m0, out)
+
+static __attribute__((noinline)) void f32_rows(int MB, const float *x, int64_t K,
+                                               const float *w, int64_t N, int64_t n0,
+                                               int64_t n1, int64_t m0, float *out) {
+    int64_t n = n0;
+    if (MB == 1) {
+        for (; n + 4 <= n1; n += 4) F32_TILE(4, 1);
+        for (; n < n1; ++n) F32_TILE(1, 1);
+    } else if (MB == 2) {
+        for (; n + 2 <= n1; n += 2) F32_TILE(2, 2);
+        for (; n < n1; ++n) F32_TILE(1, 2);
+    } else if (MB == 3) {
+        for (; n + 2 <= n1; n += 2) F32_TILE(2, 3);
+        for (; n < n1; ++n) F32_TILE(1, 3);
+    } else {
+        for (; n < n1; ++n) F32_TILE(1, 4);
+    }
+}
+
+/* out [M, N] rows [m0, m1) x columns [n0, n1) of x [M, K] @ w [N, K]^T, both fp32 */
+void GGUF_FN(f32_gemv)(const float *x, int64_t K, const float *w, int64_t N, int64_t m0,
+                       int64_t m1, int64_t n0, int64_t n1, float *out) {
+    for (int64_t m = m0; m < m1; m += MAX_ROWS) {
+        const int MB = m1 - m < MAX_ROWS ? (int)(m1 - m) : MAX_ROWS;
+        f32_rows(MB, x, K, w, N, n0, n1, m, out);
+    }
 }

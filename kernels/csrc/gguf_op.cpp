@@ -1,6 +1,6 @@
-// rung::gguf_gemm's CPU kernel in C++: the dispatcher calls csrc/gguf_gemm.c straight,
-// with no Python in between (a compiled decode step makes ~120 of these calls, and a
-// Python kernel would add its interpreter to each). It
+// rung::gguf_gemm's and rung::f32_linear's CPU kernels in C++: the dispatcher calls
+// csrc/gguf_gemm.c straight, with no Python in between (a compiled decode step makes ~120
+// of these calls, and a Python kernel would add its interpreter to each). gguf_gemm
 // rounds the activations once per call, then splits the output over torch's intra-op
 // pool (the engine's thread count; never a pool of its own): weight-row chunks for a few
 // activation rows (decode), (weight-row chunk x activation-row tile) for prefill. The
@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -28,6 +29,10 @@ void gguf_round_avx2(const float *x, int64_t M, int64_t K, int type, int8_t *xq,
                      float *xsum);
 void gguf_round_vnni(const float *x, int64_t M, int64_t K, int type, int8_t *xq, float *dx,
                      float *xsum);
+void f32_gemv_avx2(const float *x, int64_t K, const float *w, int64_t N, int64_t m0,
+                   int64_t m1, int64_t n0, int64_t n1, float *out);
+void f32_gemv_vnni(const float *x, int64_t K, const float *w, int64_t N, int64_t m0,
+                   int64_t m1, int64_t n0, int64_t n1, float *out);
 }
 
 namespace {
@@ -37,6 +42,8 @@ constexpr int64_t kNumTypes = 8;            // kernels/gguf_cpu.py TYPE_CODES
 constexpr int64_t kDecodeRows = 4;          // up to this many activation rows: split weight rows
 constexpr int64_t kRowTile = 128;           // prefill: activation rows of a task
 constexpr int64_t kWeightChunk = 16;        // prefill: weight rows of a task (stay in L1/L2)
+constexpr int64_t kGemvRows = 16;           // f32_linear: activation rows through f32_gemv
+constexpr int64_t kGemvBlock = 32;          // f32_linear: weight rows reused across row tiles
 
 bool cpu_has_vnni() {
     __builtin_cpu_init();
@@ -114,10 +121,42 @@ at::Tensor gguf_gemm_cpu(const at::Tensor &x, const at::Tensor &rows, int64_t co
     return out;
 }
 
+// x [M, K] fp32 @ w [N, K] fp32 row-major ^T -> [M, N] fp32: up to kGemvRows activation
+// rows stream the weight rows through csrc/gguf_gemm.c's f32_gemv, split like the decode
+// above (BLAS's GEMV reads a [K, N] W^T well under the memory bandwidth, and its GEMM
+// re-reads the weight per few rows); more rows are a GEMM, BLAS's own.
+at::Tensor f32_linear_cpu(const at::Tensor &x, const at::Tensor &w) {
+    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+                "rung::f32_linear takes x [M, K] and w [N, K], got ", x.sizes(), " and ",
+                w.sizes());
+    TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+                "rung::f32_linear takes float32 x and w");
+    const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+    if (M > kGemvRows)
+        return at::mm(x, w.t());
+    const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+    at::Tensor out = at::empty({M, N}, xc.options());
+    if (M == 0 || N == 0)
+        return out;
+    const auto gemv = use_vnni() ? f32_gemv_vnni : f32_gemv_avx2;
+    const float *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>();
+    float *o = out.data_ptr<float>();
+    // NOTE: a task's weight rows stay in L2 across its tiles of 4 activation rows
+    const int64_t units = (N + 3) / 4;
+    at::parallel_for(0, units, 1, [&](int64_t b, int64_t e) {
+        for (int64_t n0 = 4 * b; n0 < std::min(N, 4 * e); n0 += kGemvBlock)
+            gemv(xp, K, wp, N, 0, M, n0, std::min({N, 4 * e, n0 + kGemvBlock}), o);
+    });
+    return out;
+}
+
 }  // namespace
 
 // which path runs (0 AVX2, 1 AVX-512 VNNI), and forcing one: kernels/gguf_cpu.py set_isa
 extern "C" int rung_gguf_isa() { return use_vnni() ? 1 : 0; }
 extern "C" void rung_gguf_set_isa(int isa) { forced_isa = isa; }
 
-TORCH_LIBRARY_IMPL(rung, CPU, m) { m.impl("gguf_gemm", gguf_gemm_cpu); }
+TORCH_LIBRARY_IMPL(rung, CPU, m) {
+    m.impl("gguf_gemm", gguf_gemm_cpu);
+    m.impl("f32_linear", f32_linear_cpu);
+}
