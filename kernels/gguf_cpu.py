@@ -188,8 +188,9 @@ _MADV_HUGEPAGE = 14
 
 
 def rows_in_one_buffer(rows: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``rows`` (uint8 weights) copied back to back into one buffer, in the given order
-    (a forward's call order), asked for transparent huge pages; views into it.
+    """``rows`` (weights of any dtype, contiguous) copied back to back into one buffer, in
+    the given order (a forward's call order), asked for transparent huge pages; views into
+    it, each of its row's dtype and shape.
 
     NOTE: a decode step streams every weight from DRAM once. In one buffer the kernel's
     prefetch past the end of a weight warms the next one, and on huge pages neither the
@@ -199,16 +200,16 @@ def rows_in_one_buffer(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     """
     if not rows:
         return []
-    total = sum(_aligned(r.numel()) for r in rows)
+    total = sum(_aligned(r.nbytes) for r in rows)
     buffer = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)
     start = _aligned(buffer.data_ptr(), HUGE_PAGE) - buffer.data_ptr()
     _advise_huge_pages(buffer.data_ptr() + start, total)
     views, offset = [], start
     for r in rows:
-        view = buffer[offset:offset + r.numel()].view(r.shape)
+        view = buffer[offset:offset + r.nbytes].view(r.dtype).view(r.shape)
         view.copy_(r)
         views.append(view)
-        offset += _aligned(r.numel())
+        offset += _aligned(r.nbytes)
     return views
 
 

@@ -288,7 +288,27 @@ def use_f32_gemv(model: nn.Module) -> int:
             _GEMV_CLASSES[cls] = type(f"F32Gemv{cls.__name__}", (_F32Gemv, cls), {})
         module.__class__ = _GEMV_CLASSES[cls]
         changed += 1
+    _weights_in_one_buffer(model)
     return changed
+
+
+def _weights_in_one_buffer(model: nn.Module) -> None:
+    """The GEMV layers' weights into one buffer in call order (the head last), on huge
+    pages where the system grants them (``rows_in_one_buffer``: a decode step streams them
+    all, and its prefetch then runs from one into the next); a tied embedding keeps
+    sharing its head's weight."""
+    layers = [m for m in model.modules() if is_f32_gemv(m)]
+    head = getattr(model, "lm_head", None)
+    if head in layers:
+        layers.remove(head)
+        layers.append(head)
+    weights = list({id(m.weight): m.weight for m in layers}.values())
+    moved = {id(w): nn.Parameter(view, requires_grad=False)
+             for w, view in zip(weights, rows_in_one_buffer([w.detach() for w in weights]))}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None and id(weight) in moved:
+            module.weight = moved[id(weight)]
 
 
 def lay_out_cpu_linears(model: nn.Module) -> None:
