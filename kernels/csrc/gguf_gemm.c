@@ -584,9 +584,9 @@ void GGUF_FN(gguf_round)(const float *x, int64_t M, int64_t K, int type, int8_t 
  * Each output element is one dot product of an activation row and a weight row, summed in
  * 16 lanes over 16-float steps of k in order (one 512-bit register, or two 256-bit ones),
  * the lanes l and l + 8 added, one horizontal sum, then the k % 16 tail in order: fixed by K alone, whatever the tile,
- * thread split or ISA build (the same INVARIANT as above). Bound by the weight stream like
- * the quantized tiles: weight rows stream once per tile of up to 4 activation rows, each
- * prefetched PREFETCH_AHEAD bytes ahead, once per cache line. */
+ * thread split or ISA build (the same INVARIANT as above). Bound by the weight stream: each
+ * weight row streams once per tile of up to 4 activation rows, prefetched PREFETCH_AHEAD
+ * bytes ahead, once per cache line. */
 #ifdef GGUF_VNNI
 /* 16 lanes: lane l holds k = l (mod 16); its halves added are the AVX2 path's lo + hi */
 typedef __m512 f32_acc;
@@ -643,21 +643,18 @@ static inline __attribute__((always_inline)) void f32_tile(
 
 #define F32_TILE(NB, MB) f32_tile(NB, MB, x, K, w, N, n, m0, out)
 
+/* NOTE: one weight row at a time: the weight is read as one sequential stream (several
+ * rows at once, as the quantized tiles do, read measurably slower in fp32) */
 static __attribute__((noinline)) void f32_rows(int MB, const float *x, int64_t K,
                                                const float *w, int64_t N, int64_t n0,
                                                int64_t n1, int64_t m0, float *out) {
-    int64_t n = n0;
-    if (MB == 1) {
-        for (; n + 4 <= n1; n += 4) F32_TILE(4, 1);
-        for (; n < n1; ++n) F32_TILE(1, 1);
-    } else if (MB == 2) {
-        for (; n + 2 <= n1; n += 2) F32_TILE(2, 2);
-        for (; n < n1; ++n) F32_TILE(1, 2);
-    } else if (MB == 3) {
-        for (; n + 2 <= n1; n += 2) F32_TILE(2, 3);
-        for (; n < n1; ++n) F32_TILE(1, 3);
-    } else {
-        for (; n < n1; ++n) F32_TILE(1, 4);
+    for (int64_t n = n0; n < n1; ++n) {
+        switch (MB) {
+        case 1: F32_TILE(1, 1); break;
+        case 2: F32_TILE(1, 2); break;
+        case 3: F32_TILE(1, 3); break;
+        default: F32_TILE(1, 4); break;
+        }
     }
 }
 
