@@ -17,13 +17,12 @@ from rung.kernels.attention import Attention
 from rung.models.gemma4_rope import FULL, SLIDING
 from rung.models.layers import (
     STACKED_PARAMS,
-    DecoderParts,
     GatedMLP,
     MergedLinear,
     RMSNorm,
     Rope,
     RotaryEmbedding,
-    decoder_layers,
+    ScaledSoftcappedLM,
     rope_inv_freq,
 )
 from rung.models.weights import WeightStream, check_all_loaded, load_named_weights
@@ -137,7 +136,7 @@ class Gemma3Model(nn.Module):
                             cast_before_scale=False)
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(ScaledSoftcappedLM):
     text_config = staticmethod(text_config)
     # GGUF (llama.cpp): layer tensor names that differ from Llama's; norm weights are stored
     # as 1 + w (llama.cpp scales by w), so loading takes NORM_OFFSET off again
@@ -161,13 +160,7 @@ class Gemma3ForCausalLM(nn.Module):
             t: RotaryEmbedding(rope_inv_freq(cfg["head_dim"], float(params[t]["rope_theta"]),
                                              params[t]))
             for t in dict.fromkeys(cfg["layer_types"])})
-        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
-        self.softcap = cfg["final_logit_softcapping"]
-        self.tied = bool(cfg["tie_word_embeddings"])
-        # random weights (presets): unit-scale embeddings after the sqrt(hidden) scaling
-        self.embed_init_std = cfg["hidden_size"] ** -0.5
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.init_head(cfg)
 
     @staticmethod
     def gguf_config(gguf_model) -> dict:
@@ -202,28 +195,6 @@ class Gemma3ForCausalLM(nn.Module):
             "tie_word_embeddings": "output.weight" not in names,
             **gguf_model.special_token_ids(),
         })
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> scaled embeddings [T, hidden]."""
-        embeds = self.model.embed_tokens(input_ids)
-        return embeds * self.model.embed_scale.to(embeds.dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [num_tokens_padded] -> hidden [num_tokens_padded, hidden]."""
-        return decoder_layers(self.model.layers, self.model.norm, self.rotary,
-                              self.embed_input_ids(input_ids), positions)
-
-    def decoder_parts(self) -> DecoderParts:
-        """``forward`` in pieces (see DecoderParts)."""
-        return DecoderParts(self.embed_input_ids, self.model.layers, self.rotary,
-                            self.model.norm, self.compute_logits, self.lm_head)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [num_reqs, hidden] -> logits [num_reqs, vocab] fp32, softcapped."""
-        logits = self.lm_head(hidden).float()
-        if self.softcap:
-            logits = self.softcap * torch.tanh(logits / self.softcap)
-        return logits
 
     def load_weights(self, weights: WeightStream) -> None:
         loaded = load_named_weights(self, weights, STACKED_PARAMS)

@@ -17,13 +17,12 @@ from rung.models.gemma4_rope import FULL, SLIDING, rope_inv_freqs
 from rung.models.layers import (
     ACTIVATIONS,
     STACKED_PARAMS,
-    DecoderParts,
     GatedMLP,
     MergedLinear,
     RMSNorm,
     Rope,
     RotaryEmbedding,
-    decoder_layers,
+    ScaledSoftcappedLM,
 )
 from rung.models.moe import RoutedExperts, dense_routing, ep_all_gather, ep_reduce_scatter
 from rung.models.weights import WeightStream, check_all_loaded, load_named_weights
@@ -329,7 +328,7 @@ def check_gemma4_loaded(model: nn.Module, loaded: set[str], num_layers: int,
     check_all_loaded(model, loaded, optional)
 
 
-class Gemma4ForCausalLM(nn.Module):
+class Gemma4ForCausalLM(ScaledSoftcappedLM):
     text_config = staticmethod(text_config)
 
     def __init__(self, cfg: dict) -> None:
@@ -341,36 +340,7 @@ class Gemma4ForCausalLM(nn.Module):
         self.model = Gemma4Model(cfg, self.specs)
         self.rotary = nn.ModuleDict({t: RotaryEmbedding(f)
                                      for t, f in rope_inv_freqs(cfg, self.specs).items()})
-        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
-        self.softcap = cfg["final_logit_softcapping"]
-        self.tied = bool(cfg["tie_word_embeddings"])
-        # random weights (presets): unit-scale embeddings after the sqrt(hidden) scaling
-        self.embed_init_std = cfg["hidden_size"] ** -0.5
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> scaled embeddings [T, hidden] (what layer 0 and MTP drafters see)."""
-        embeds = self.model.embed_tokens(input_ids)
-        return embeds * self.model.embed_scale.to(embeds.dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [num_tokens_padded] -> hidden [num_tokens_padded, hidden]."""
-        hidden = self.embed_input_ids(input_ids)
-        return decoder_layers(self.model.layers, self.model.norm, self.rotary, hidden,
-                              positions)
-
-    def decoder_parts(self) -> DecoderParts:
-        """``forward`` in pieces (see DecoderParts)."""
-        return DecoderParts(self.embed_input_ids, self.model.layers, self.rotary,
-                            self.model.norm, self.compute_logits, self.lm_head)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [num_reqs, hidden] -> logits [num_reqs, vocab] fp32, softcapped."""
-        logits = self.lm_head(hidden).float()
-        if self.softcap:
-            logits = self.softcap * torch.tanh(logits / self.softcap)
-        return logits
+        self.init_head(cfg)
 
     def load_weights(self, weights: WeightStream) -> None:
         loaded = load_named_weights(self, weights, STACKED_PARAMS,

@@ -499,6 +499,46 @@ class DecoderParts:
     logits_splits: tuple[int, ...] = ()
 
 
+class ScaledSoftcappedLM(nn.Module):
+    """The Gemma families' causal-LM shell around a decoder ``model`` (``embed_tokens``,
+    ``embed_scale``, ``layers``, ``norm``): embeddings scaled by ``embed_scale``, the shared
+    decoder loop with a rope per layer type (``rotary``), and logits soft-capped at
+    ``softcap`` (none when 0 or None); ``lm_head``, tied to the embeddings when ``tied``."""
+
+    def init_head(self, cfg: dict) -> None:
+        """The head, the softcap and the tie from ``cfg``, once ``self.model`` exists."""
+        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.softcap = cfg["final_logit_softcapping"]
+        self.tied = bool(cfg["tie_word_embeddings"])
+        # random weights (presets): unit-scale embeddings after the sqrt(hidden) scaling
+        self.embed_init_std = cfg["hidden_size"] ** -0.5
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> scaled embeddings [T, hidden] (what layer 0 and MTP drafters see)."""
+        embeds = self.model.embed_tokens(input_ids)
+        return embeds * self.model.embed_scale.to(embeds.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [num_tokens_padded] -> hidden [num_tokens_padded, hidden]."""
+        return decoder_layers(self.model.layers, self.model.norm, self.rotary,
+                              self.embed_input_ids(input_ids), positions)
+
+    def decoder_parts(self) -> DecoderParts:
+        """``forward`` in pieces (see DecoderParts)."""
+        return DecoderParts(self.embed_input_ids, self.model.layers, self.rotary,
+                            self.model.norm, self.compute_logits, self.lm_head)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_reqs, hidden] -> logits [num_reqs, vocab] fp32, softcapped.
+        NOTE: the head is called as a module, so a quantized head may replace it."""
+        logits = self.lm_head(hidden).float()
+        if self.softcap:
+            logits = self.softcap * torch.tanh(logits / self.softcap)
+        return logits
+
+
 def decoder_layers(layers: nn.ModuleList, norm: nn.Module,
                    rotaries: dict[str, RotaryEmbedding] | nn.ModuleDict, hidden: torch.Tensor,
                    positions: torch.Tensor) -> torch.Tensor:
