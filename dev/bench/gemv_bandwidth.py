@@ -10,6 +10,8 @@ one thread, next to the read bandwidth (``sum`` over as many bytes as the weight
                   ``torch.ops.mkldnn._reorder_linear_weight``), what inductor's CPU
                   freezing path emits;
 - ``head/8``      ``x @ Wt`` with the 49152-row head split into 8 column chunks;
+- ``f32_linear``  rung's float32 GEMV (``rung::f32_linear``) on the row-major weights,
+                  as separate tensors and in one buffer in call order (rung's CPU layout);
 - ``gguf Q4_1+Q8_0``  rung's GGUF CPU kernel on the same shapes in SmolLM2's file types
                   (Q4_1 layers, Q8_0 head), bytes counted as stored;
 - ``gguf Q4_1 (layers)``  the same without the head;
@@ -57,6 +59,15 @@ def _variants(rows: int) -> tuple[dict[str, tuple[Callable[[], None], int]], int
         variants["mkldnn"] = (lambda: [
             torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
             for w, p in zip(weights, packed)], nbytes)
+    from rung.kernels import gguf_cpu
+
+    if gguf_cpu.available() is None:
+        separate = list(weights)
+        one_buffer = gguf_cpu.rows_in_one_buffer(weights)
+        variants["f32_linear"] = (lambda: [gguf_cpu.f32_linear(xs[w.shape[1]], w)
+                                           for w in separate], nbytes)
+        variants["f32_linear, 1 buffer"] = (lambda: [gguf_cpu.f32_linear(xs[w.shape[1]], w)
+                                                     for w in one_buffer], nbytes)
     variants.update(_quantized_variants(shapes, xs, gen))
     return variants, nbytes
 
