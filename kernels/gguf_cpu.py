@@ -9,7 +9,7 @@ rounded to int8 with its own scale, once per matmul, and a group's dot product w
 weight's 4- to 8-bit values is one integer dot (``maddubs`` + ``madd``, or VNNI's
 ``dpbusd``), scaled in fp32: the result is the exact weight times the rounded
 activations. The weight keeps the file's block bytes (``GGUFBlockWeight``: Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), regrouped per row by field so the kernel converts 8
+Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K), regrouped per row by field so the kernel converts 8
 scales at once; nothing is rounded at load (the K-quants' 6-bit scales are unpacked to a
 byte each, 4 bytes a 256-weight super-block). The activation rounding is the kernel's
 only approximation, and ``gguf_gemm_reference`` (torch, fp64, over the exact decode
@@ -55,11 +55,13 @@ _CXXFLAGS = ["-O2", "-std=c++17", "-shared", "-fPIC", "-w", "-fopenmp"]
 # of the same block in rung's row layout (csrc/gguf_gemm.c's header; K-quants gain 4 bytes
 # a super-block: their 6-bit scales unpacked to bytes)
 TYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6,
-              "Q6_K": 7}
+              "Q6_K": 7, "Q3_K": 8}
 FILE_BLOCK = {"Q4_0": (18, 1), "Q4_1": (20, 1), "Q8_0": (34, 1), "Q5_0": (22, 1),
-              "Q5_1": (24, 1), "Q4_K": (144, 8), "Q5_K": (176, 8), "Q6_K": (210, 8)}
-ROW_BLOCK = {**FILE_BLOCK, "Q4_K": (148, 8), "Q5_K": (180, 8)}
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+              "Q5_1": (24, 1), "Q4_K": (144, 8), "Q5_K": (176, 8), "Q6_K": (210, 8),
+              "Q3_K": (110, 8)}
+ROW_BLOCK = {**FILE_BLOCK, "Q4_K": (148, 8), "Q5_K": (180, 8), "Q3_K": (114, 8)}
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6,
+        "Q3_K": 3}
 KERNEL_TYPES = tuple(TYPE_CODES)
 # compatibility names of the legacy types' layout
 BLOCK_BYTES = {t: FILE_BLOCK[t][0] for t in ("Q4_0", "Q4_1", "Q8_0")}
@@ -93,10 +95,13 @@ class GGUFBlockWeight:
                        "Q5_1": [(8, 24), (4, 8), (0, 2), (2, 4)],
                        "Q4_K": [(16, 144), (0, 2), (2, 4)],
                        "Q5_K": [(48, 176), (16, 48), (0, 2), (2, 4)],
-                       "Q6_K": [(0, 128), (128, 192), (192, 208), (208, 210)]}[type_name]
+                       "Q6_K": [(0, 128), (128, 192), (192, 208), (208, 210)],
+                       "Q3_K": [(32, 96), (0, 32)]}[type_name]
         parts = [f[..., a:b] for a, b in field_spans]
         if type_name in ("Q4_K", "Q5_K"):
             parts += list(_k_scales(f[..., 4:16]))
+        if type_name == "Q3_K":
+            parts += [_q3_k_scales(f[..., 96:108]), f[..., 108:110]]
         return cls(torch.cat([p.reshape(num_rows, -1) for p in parts], dim=1), type_name)
 
     @property
@@ -159,6 +164,16 @@ def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sc = torch.cat([d & 0x3F, (low & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
     mn = torch.cat([m & 0x3F, (low >> 4) | ((m >> 2) & 0x30)], dim=-1)
     return sc, mn
+
+
+def _q3_k_scales(packed: torch.Tensor) -> torch.Tensor:
+    """A Q3_K super-block's 12 bytes of 6-bit scales -> its 16 scales less 32, [..., 16]
+    as int8 bytes: bytes 0-7 hold the low 4 bits of scales 0-7 (low nibbles) and 8-15
+    (high nibbles), bytes 8-11 their top 2 bits, two per scale of 0-3, 4-7, 8-11, 12-15."""
+    low, top = packed[..., 0:8], packed[..., 8:12]
+    top = torch.cat([(top >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=-1)   # [..., 16]
+    sc = torch.cat([low & 0x0F, low >> 4], dim=-1) | (top << 4)
+    return (sc.to(torch.int16) - 32).to(torch.int8).view(torch.uint8)
 
 
 def _nibbles_in_order(values: torch.Tensor, num_rows: int, num_groups: int) -> torch.Tensor:
@@ -267,6 +282,17 @@ def dequantize_fp64(weight: GGUFBlockWeight) -> torch.Tensor:
         scale = (d[..., None] * sc).reshape(num_rows, G, 1)
         offset = (dmin[..., None] * mn).reshape(num_rows, G, 1)
         return (scale * q - offset).reshape(num_rows, num_cols)
+    if t == "Q3_K":
+        # per super-block two halves of 128 weights; quarter k of a half takes bits 2k,
+        # 2k + 1 of its 32 low bytes, less 4 where bit 4 h + k of the high byte is clear
+        low = rows[:, :8 * G].reshape(num_rows, S, 2, 1, 32)
+        low = (low >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 0x03
+        high = _bits_in_order(rows[:, 8 * G:12 * G].reshape(num_rows, S, 32, 1)) \
+            .reshape(num_rows, S, 32, 8).permute(0, 1, 3, 2).reshape(num_rows, S, 2, 4, 32)
+        q = low.long() - 4 * (1 - high.long())
+        sc = rows[:, 12 * G:14 * G].contiguous().view(torch.int8).double()  # [N, S * 16]
+        scale = f16(14 * G, S).repeat_interleave(16, dim=1) * sc
+        return (q.reshape(num_rows, S * 16, 16) * scale[..., None]).reshape(num_rows, num_cols)
     # Q6_K: per super-block two halves of 128 weights; quarter k of a half takes the
     # low (k < 2) or high nibbles of ql bytes 32 (k % 2) .. +32 and bits 2k, 2k + 1 of qh
     ql = rows[:, :16 * G].reshape(num_rows, S, 2, 1, 2, 32)                 # [., h, ., k%2, l]

@@ -14,9 +14,10 @@
  *     Q4_K  [nibbles 16G | d S | dmin S | sc G | mn G]     w = d sc q - dmin mn (per group)
  *     Q5_K  [nibbles 16G | high bits 32S | d S | dmin S | sc G | mn G]    q 0..31
  *     Q6_K  [low nibbles 16G | high pairs 8G | int8 sc 2G | d S]  w = d sc16 (q - 32), q 0..63
+ *     Q3_K  [low pairs 8G | high bits 4G | int8 sc 2G | d S]  w = d sc16 q, q -4..3
  *
  * (d, m, dmin: f16; sc, mn: the 6-bit K-quant scales unpacked to a byte each; Q6_K's int8
- * scale per 16 weights). The nibble and high-bit layouts are the file's own: legacy blocks
+ * scale per 16 weights, and Q3_K's 6-bit ones unpacked to int8, less their 32). The nibble and high-bit layouts are the file's own: legacy blocks
  * hold weight j in the low half of byte j and j + 16 in its high half, bit j of their 32
  * high bits for weight j; K-quant super-blocks hold groups 2i and 2i + 1 in the low and
  * high halves of 32 bytes, Q5_K bit i of high byte l for weight l of group i, Q6_K the
@@ -71,7 +72,8 @@
 #define MAX_WROWS 4             /* weight rows of a tile */
 #define PREFETCH_AHEAD 4096     /* bytes: a few pages ahead (dev/bench/gguf_kernel_ab.py) */
 /* kernels/gguf_cpu.py TYPE_CODES */
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7 };
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7,
+       Q3_K = 8 };
 
 #ifdef GGUF_VNNI
 #define GGUF_FN(name) name##_vnni
@@ -97,6 +99,7 @@ static inline int64_t row_bytes(int type, int64_t G) {
     case Q4_K: return 18 * G + 4 * S;
     case Q5_K: return 22 * G + 4 * S;
     case Q6_K: return 26 * G + 2 * S;
+    case Q3_K: return 14 * G + 2 * S;
     default: return block_bytes(type) * G;
     }
 }
@@ -353,7 +356,7 @@ static inline __attribute__((always_inline)) void tile_legacy(
 static inline __m128i shift_count(int n) { return _mm_cvtsi32_si128(n); }
 
 /* One group (32 weights, k order) of a K-quant row as bytes: unsigned q, or for Q6_K
- * signed q - 32. */
+ * signed q - 32, for Q3_K signed q. */
 static inline __attribute__((always_inline)) __m256i decode_group(
         int type, const uint8_t *row, int64_t G, int64_t g) {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
@@ -368,6 +371,18 @@ static inline __attribute__((always_inline)) __m256i decode_group(
         const __m256i bit = _mm256_set1_epi8((char)(1 << gi));
         return _mm256_or_si256(q4, _mm256_and_si256(
             _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), _mm256_set1_epi8(0x10)));
+    }
+    if (type == Q3_K) {
+        /* group gi of super-block s: half gi / 4, quarter k = gi % 4: bits 2k, 2k + 1 of
+         * the half's 32 low bytes, less 4 where bit gi of the high bytes is clear */
+        const int k = (int)(gi % 4);
+        const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(
+            (const __m256i *)(row + 64 * s + 32 * (gi / 4))), shift_count(2 * k)),
+            _mm256_set1_epi8(0x03));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(row + 8 * G + 32 * s));
+        const __m256i bit = _mm256_set1_epi8((char)(1 << gi));
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
+        return _mm256_sub_epi8(lo, _mm256_andnot_si256(set, _mm256_set1_epi8(4)));
     }
     /* Q6_K: group gi of super-block s is half gi / 4, quarter k = gi % 4 */
     const int k = (int)(gi % 4);
@@ -385,7 +400,7 @@ static inline __attribute__((always_inline)) __m256i decode_group(
 /* the integer dot of one decoded group with 32 rounded activations, as float */
 static inline __attribute__((always_inline)) __m256 dot_group(
         int type, __m256i w, __m256i x, __m256i scales16) {
-    if (type == Q6_K)   /* |q - 32| <= 32: pairs <= 2 * 32 * 127, times |sc| <= 128 */
+    if (type == Q6_K || type == Q3_K)  /* |q| <= 32: pairs <= 2 * 32 * 127, |sc| <= 128 */
         return _mm256_cvtepi32_ps(_mm256_madd_epi16(
             _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), scales16));
     return _mm256_cvtepi32_ps(dot_u8(w, x));
@@ -396,7 +411,9 @@ static inline __attribute__((always_inline)) void tile_groups(
         int NB, int MB, int type, int PRE, const Rounded *a, const uint8_t *weight, int64_t N,
         int64_t n0, int64_t m0, const int8_t *dec, int64_t dec_n0, float *out) {
     const int64_t G = a->G, S = G / 8, rb = row_bytes(type, G);
-    const int has_z = type != Q6_K;
+    const int signed_q = type == Q6_K || type == Q3_K;     /* two scales of 16, no min */
+    const int has_z = !signed_q;
+    const int64_t sc_at = type == Q6_K ? 24 * G : 12 * G, d_at = sc_at + 2 * G;
     const uint8_t *row[MAX_WROWS];
     __m256 acc[MAX_WROWS][MAX_ROWS];
     for (int i = 0; i < NB; ++i) {
@@ -415,8 +432,8 @@ static inline __attribute__((always_inline)) void tile_groups(
         __m256 dd[MAX_WROWS][MAX_ROWS];
         for (int i = 0; i < NB; ++i) {
             __m256 dv, z = _mm256_setzero_ps();
-            if (type == Q6_K) {
-                const uint16_t *d = (const uint16_t *)(row[i] + 26 * G);
+            if (signed_q) {
+                const uint16_t *d = (const uint16_t *)(row[i] + d_at);
                 dv = _mm256_set1_ps(_cvtsh_ss(d[g / 8]));
             } else {
                 const uint8_t *p = row[i] + (type == Q4_K ? 16 : 20) * G;
@@ -445,8 +462,8 @@ static inline __attribute__((always_inline)) void tile_groups(
                                             dec + (n0 + i - dec_n0) * a->K + (g + b) * QK))
                                       : decode_group(type, row[i], G, g + b);
                 __m256i scales16 = _mm256_setzero_si256();
-                if (type == Q6_K) {
-                    const int8_t *sc = (const int8_t *)(row[i] + 24 * G) + 2 * (g + b);
+                if (signed_q) {
+                    const int8_t *sc = (const int8_t *)(row[i] + sc_at) + 2 * (g + b);
                     scales16 = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
                 }
                 for (int j = 0; j < MB; ++j)
@@ -509,6 +526,7 @@ TYPE_TILES(Q5_1, tiles_q5_1, 0)
 TYPE_TILES(Q4_K, tiles_q4_k, 1)
 TYPE_TILES(Q5_K, tiles_q5_k, 1)
 TYPE_TILES(Q6_K, tiles_q6_k, 1)
+TYPE_TILES(Q3_K, tiles_q3_k, 1)
 
 #define TYPE_CASE(T, NAME) case T: NAME(MB, &a, weight, N, n0, n1, m, dec, out); break
 
@@ -538,6 +556,7 @@ static void decode_rows(int type, const uint8_t *weight, int64_t K, int64_t n0, 
             switch (type) {   /* constant types: each decode_group inlines its own path */
             case Q4_K: w = decode_group(Q4_K, row, G, g); break;
             case Q5_K: w = decode_group(Q5_K, row, G, g); break;
+            case Q3_K: w = decode_group(Q3_K, row, G, g); break;
             default: w = decode_group(Q6_K, row, G, g); break;
             }
             _mm256_storeu_si256((__m256i *)(dst + (n - n0) * K + g * QK), w);
@@ -554,7 +573,7 @@ int GGUF_FN(gguf_tiles)(const int8_t *xq, const float *dx, const float *xsum, in
     /* prefill: a K-quant's rows decoded once for every tile of activation rows
      * (the same bytes decode_group gives each tile: results do not change) */
     int8_t *dec = NULL;
-    if (!is_legacy(type) && m1 - m0 > MAX_ROWS && type >= 0 && type <= Q6_K) {
+    if (!is_legacy(type) && m1 - m0 > MAX_ROWS && type >= 0 && type <= Q3_K) {
         dec = decoded_scratch((size_t)((n1 - n0) * K));
         if (dec != NULL)
             decode_rows(type, weight, K, n0, n1, dec);
@@ -566,6 +585,7 @@ int GGUF_FN(gguf_tiles)(const int8_t *xq, const float *dx, const float *xsum, in
             TYPE_CASE(Q8_0, tiles_q8_0); TYPE_CASE(Q5_0, tiles_q5_0);
             TYPE_CASE(Q5_1, tiles_q5_1); TYPE_CASE(Q4_K, tiles_q4_k);
             TYPE_CASE(Q5_K, tiles_q5_k); TYPE_CASE(Q6_K, tiles_q6_k);
+            TYPE_CASE(Q3_K, tiles_q3_k);
             default: return -2;
         }
     }
