@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Callable, Mapping
 
@@ -21,6 +22,8 @@ from rung.kernels.gguf_cpu import (
 )
 from rung.kernels.gguf_cpu import available as gguf_cpu_available
 from rung.kernels.int4 import ACTIVATION_DTYPE, Int4Weight, int4_mm, pack_int4
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -316,8 +319,12 @@ def lay_out_cpu_linears(model: nn.Module) -> None:
     builds (`use_f32_gemv`), the rest (bfloat16, or no C compiler) as W^T for BLAS
     (`pretranspose_linear_weights`)."""
     if gguf_cpu_available() is None:
-        load_kernel()
-        use_f32_gemv(model)
+        try:
+            load_kernel()
+        except RuntimeError as e:      # a compiler that fails: BLAS serves, slower
+            logger.warning("float32 linears run on BLAS: %s", str(e).splitlines()[0])
+        else:
+            use_f32_gemv(model)
     pretranspose_linear_weights(model)
 
 

@@ -40,3 +40,15 @@ def test_without_the_gemv_kernel_the_tied_head_gets_a_blas_copy(monkeypatch):
 def test_untied_head_gets_no_copy():
     head = load_model("tiny-llama", torch.float32, "cpu").model.lm_head   # untied
     assert getattr(head, "weight_t", None) is None
+
+
+def test_a_kernel_build_that_fails_leaves_the_model_on_blas(monkeypatch, caplog):
+    def fail() -> None:
+        raise RuntimeError("compiling rung's GGUF CPU kernel failed (test)")
+
+    monkeypatch.setattr(layers, "load_kernel", fail)
+    with caplog.at_level("WARNING", logger="rung.models.layers"):
+        model = load_model("tiny-qwen3", torch.float32, "cpu").model
+    assert not layers.is_f32_gemv(model.lm_head)
+    assert "float32 linears run on BLAS: compiling rung's GGUF CPU kernel failed" in caplog.text
+    _check_logits(model)
