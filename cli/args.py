@@ -44,8 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "kernel cannot run; else float32), float32, bfloat16, float16")
     p.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"],
                    help="auto (default): a GGUF file runs in its own quantized types (rung's "
-                        "CPU kernel: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K and Q6_K, fp32 "
-                        "activations; torch's int4 kernel elsewhere: Q4_0 / Q4_1, "
+                        "CPU kernel: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, "
+                        "Q6_K; fp32 activations; torch's int4 kernel elsewhere: Q4_0 / Q4_1, "
                         "bfloat16); gguf: the same, required; none: every weight "
                         "dequantized to --dtype")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")

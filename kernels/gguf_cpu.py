@@ -6,12 +6,12 @@ torch's CPU int4 kernel (``aten::_weight_int4pack_mm_for_cpu``) converts every w
 float before its FMA, and on AVX2 it is compute-bound, not bound by the weight stream.
 ``csrc/gguf_gemm.c`` does what llama.cpp does: each 32-group of an activation row is
 rounded to int8 with its own scale, once per matmul, and a group's dot product with the
-weight's 4- to 8-bit values is one integer dot (``maddubs`` + ``madd``, or VNNI's
+weight's 2- to 8-bit values is one integer dot (``maddubs`` + ``madd``, or VNNI's
 ``dpbusd``), scaled in fp32: the result is the exact weight times the rounded
 activations. The weight keeps the file's block bytes (``GGUFBlockWeight``: Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K), regrouped per row by field so the kernel converts 8
-scales at once; nothing is rounded at load (the K-quants' 6-bit scales are unpacked to a
-byte each, 4 bytes a 256-weight super-block). The activation rounding is the kernel's
+Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), regrouped per row by field so the kernel
+converts 8 scales at once; nothing is rounded at load (the 6-bit scales of Q3_K, Q4_K and
+Q5_K are unpacked to a byte each, 4 bytes a 256-weight super-block). The activation rounding is the kernel's
 only approximation, and ``gguf_gemm_reference`` (torch, fp64, over the exact decode
 ``dequantize_fp64``) is the same formula, the tests' oracle.
 
@@ -55,13 +55,13 @@ _CXXFLAGS = ["-O2", "-std=c++17", "-shared", "-fPIC", "-w", "-fopenmp"]
 # of the same block in rung's row layout (csrc/gguf_gemm.c's header; K-quants gain 4 bytes
 # a super-block: their 6-bit scales unpacked to bytes)
 TYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6,
-              "Q6_K": 7, "Q3_K": 8}
+              "Q6_K": 7, "Q3_K": 8, "Q2_K": 9}
 FILE_BLOCK = {"Q4_0": (18, 1), "Q4_1": (20, 1), "Q8_0": (34, 1), "Q5_0": (22, 1),
               "Q5_1": (24, 1), "Q4_K": (144, 8), "Q5_K": (176, 8), "Q6_K": (210, 8),
-              "Q3_K": (110, 8)}
+              "Q3_K": (110, 8), "Q2_K": (84, 8)}
 ROW_BLOCK = {**FILE_BLOCK, "Q4_K": (148, 8), "Q5_K": (180, 8), "Q3_K": (114, 8)}
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6,
-        "Q3_K": 3}
+        "Q3_K": 3, "Q2_K": 2}
 KERNEL_TYPES = tuple(TYPE_CODES)
 # compatibility names of the legacy types' layout
 BLOCK_BYTES = {t: FILE_BLOCK[t][0] for t in ("Q4_0", "Q4_1", "Q8_0")}
@@ -96,7 +96,8 @@ class GGUFBlockWeight:
                        "Q4_K": [(16, 144), (0, 2), (2, 4)],
                        "Q5_K": [(48, 176), (16, 48), (0, 2), (2, 4)],
                        "Q6_K": [(0, 128), (128, 192), (192, 208), (208, 210)],
-                       "Q3_K": [(32, 96), (0, 32)]}[type_name]
+                       "Q3_K": [(32, 96), (0, 32)],
+                       "Q2_K": [(16, 80), (0, 16), (80, 82), (82, 84)]}[type_name]
         parts = [f[..., a:b] for a, b in field_spans]
         if type_name in ("Q4_K", "Q5_K"):
             parts += list(_k_scales(f[..., 4:16]))
@@ -282,6 +283,17 @@ def dequantize_fp64(weight: GGUFBlockWeight) -> torch.Tensor:
         scale = (d[..., None] * sc).reshape(num_rows, G, 1)
         offset = (dmin[..., None] * mn).reshape(num_rows, G, 1)
         return (scale * q - offset).reshape(num_rows, num_cols)
+    if t == "Q2_K":
+        # quarter k of a half takes bits 2k, 2k + 1 of its 32 bytes; a byte of scales per
+        # 16 weights holds sc (low nibble) and mn (high)
+        pairs = rows[:, :8 * G].reshape(num_rows, S, 2, 1, 32)
+        q = (pairs >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 0x03
+        packed = rows[:, 8 * G:10 * G].double().reshape(num_rows, S, 16)
+        sc, mn = torch.remainder(packed, 16), torch.div(packed, 16, rounding_mode="floor")
+        d, dmin = f16(10 * G, S)[..., None], f16(10 * G + 2 * S, S)[..., None]    # [N, S, 1]
+        scale, offset = (d * sc).reshape(num_rows, S * 16), (dmin * mn).reshape(num_rows, S * 16)
+        q = q.reshape(num_rows, S * 16, 16).double()
+        return (q * scale[..., None] - offset[..., None]).reshape(num_rows, num_cols)
     if t == "Q3_K":
         # per super-block two halves of 128 weights; quarter k of a half takes bits 2k,
         # 2k + 1 of its 32 low bytes, less 4 where bit 4 h + k of the high byte is clear

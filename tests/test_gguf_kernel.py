@@ -23,8 +23,9 @@ needs_kernel = pytest.mark.skipif(gguf_cpu.available() is not None,
 
 # where each file block keeps its f16 fields (random bytes there could be inf / NaN)
 _F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2),
-               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,)}
-NEW_TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K")
+               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,),
+               "Q2_K": (80, 82)}
+NEW_TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K")
 
 
 def raw_blocks(type_name: str, num_rows: int, num_cols: int, seed: int) -> np.ndarray:

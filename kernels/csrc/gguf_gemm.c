@@ -15,6 +15,7 @@
  *     Q5_K  [nibbles 16G | high bits 32S | d S | dmin S | sc G | mn G]    q 0..31
  *     Q6_K  [low nibbles 16G | high pairs 8G | int8 sc 2G | d S]  w = d sc16 (q - 32), q 0..63
  *     Q3_K  [low pairs 8G | high bits 4G | int8 sc 2G | d S]  w = d sc16 q, q -4..3
+ *     Q2_K  [pairs 8G | sc16 | mn16 << 4 2G | d S | dmin S]  w = d sc16 q - dmin mn16, q 0..3
  *
  * (d, m, dmin: f16; sc, mn: the 6-bit K-quant scales unpacked to a byte each; Q6_K's int8
  * scale per 16 weights, and Q3_K's 6-bit ones unpacked to int8, less their 32). The nibble and high-bit layouts are the file's own: legacy blocks
@@ -73,7 +74,7 @@
 #define PREFETCH_AHEAD 4096     /* bytes: a few pages ahead (dev/bench/gguf_kernel_ab.py) */
 /* kernels/gguf_cpu.py TYPE_CODES */
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7,
-       Q3_K = 8 };
+       Q3_K = 8, Q2_K = 9 };
 
 #ifdef GGUF_VNNI
 #define GGUF_FN(name) name##_vnni
@@ -100,6 +101,7 @@ static inline int64_t row_bytes(int type, int64_t G) {
     case Q5_K: return 22 * G + 4 * S;
     case Q6_K: return 26 * G + 2 * S;
     case Q3_K: return 14 * G + 2 * S;
+    case Q2_K: return 10 * G + 4 * S;
     default: return block_bytes(type) * G;
     }
 }
@@ -372,6 +374,10 @@ static inline __attribute__((always_inline)) __m256i decode_group(
         return _mm256_or_si256(q4, _mm256_and_si256(
             _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), _mm256_set1_epi8(0x10)));
     }
+    if (type == Q2_K)   /* group gi: half gi / 4, bits 2 (gi % 4), +1 of its 32 bytes */
+        return _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(
+            (const __m256i *)(row + 64 * s + 32 * (gi / 4))), shift_count(2 * (int)(gi % 4))),
+            _mm256_set1_epi8(0x03));
     if (type == Q3_K) {
         /* group gi of super-block s: half gi / 4, quarter k = gi % 4: bits 2k, 2k + 1 of
          * the half's 32 low bytes, less 4 where bit gi of the high bytes is clear */
@@ -403,6 +409,8 @@ static inline __attribute__((always_inline)) __m256 dot_group(
     if (type == Q6_K || type == Q3_K)  /* |q| <= 32: pairs <= 2 * 32 * 127, |sc| <= 128 */
         return _mm256_cvtepi32_ps(_mm256_madd_epi16(
             _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), scales16));
+    if (type == Q2_K)   /* q <= 3: pairs <= 2 * 3 * 127, sc <= 15 */
+        return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), scales16));
     return _mm256_cvtepi32_ps(dot_u8(w, x));
 }
 
@@ -412,7 +420,7 @@ static inline __attribute__((always_inline)) void tile_groups(
         int64_t n0, int64_t m0, const int8_t *dec, int64_t dec_n0, float *out) {
     const int64_t G = a->G, S = G / 8, rb = row_bytes(type, G);
     const int signed_q = type == Q6_K || type == Q3_K;     /* two scales of 16, no min */
-    const int has_z = !signed_q;
+    const int has_z = !signed_q && type != Q2_K;   /* Q2_K: a min per 16, in the group loop */
     const int64_t sc_at = type == Q6_K ? 24 * G : 12 * G, d_at = sc_at + 2 * G;
     const uint8_t *row[MAX_WROWS];
     __m256 acc[MAX_WROWS][MAX_ROWS];
@@ -429,10 +437,14 @@ static inline __attribute__((always_inline)) void tile_groups(
         for (int64_t off = 0; off < chunk_bytes; off += 64)
             _mm_prefetch(ahead + off, _MM_HINT_T0);
         ahead += chunk_bytes;
-        __m256 dd[MAX_WROWS][MAX_ROWS];
+        __m256 dd[MAX_WROWS][MAX_ROWS], dm[MAX_WROWS][MAX_ROWS];
         for (int i = 0; i < NB; ++i) {
             __m256 dv, z = _mm256_setzero_ps();
-            if (signed_q) {
+            if (type == Q2_K) {
+                const uint16_t *d = (const uint16_t *)(row[i] + 10 * G);
+                dv = _mm256_set1_ps(_cvtsh_ss(d[g / 8]));
+                z = _mm256_set1_ps(-_cvtsh_ss(d[S + g / 8]));
+            } else if (signed_q) {
                 const uint16_t *d = (const uint16_t *)(row[i] + d_at);
                 dv = _mm256_set1_ps(_cvtsh_ss(d[g / 8]));
             } else {
@@ -448,6 +460,8 @@ static inline __attribute__((always_inline)) void tile_groups(
             for (int j = 0; j < MB; ++j) {
                 const int64_t r = (m0 + j) * a->G_padded + base;
                 dd[i][j] = _mm256_mul_ps(dv, _mm256_loadu_ps(a->dx + r));
+                if (type == Q2_K)
+                    dm[i][j] = _mm256_mul_ps(z, _mm256_loadu_ps(a->dx + r));
                 if (has_z)
                     acc[i][j] = _mm256_fmadd_ps(z, _mm256_loadu_ps(a->xsum + r), acc[i][j]);
             }
@@ -461,14 +475,26 @@ static inline __attribute__((always_inline)) void tile_groups(
                 const __m256i w = PRE ? _mm256_loadu_si256((const __m256i *)(
                                             dec + (n0 + i - dec_n0) * a->K + (g + b) * QK))
                                       : decode_group(type, row[i], G, g + b);
-                __m256i scales16 = _mm256_setzero_si256();
+                __m256i scales16 = _mm256_setzero_si256(), mins16 = scales16;
                 if (signed_q) {
                     const int8_t *sc = (const int8_t *)(row[i] + sc_at) + 2 * (g + b);
                     scales16 = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
                 }
-                for (int j = 0; j < MB; ++j)
+                if (type == Q2_K) {
+                    const uint8_t *sc = row[i] + 8 * G + 2 * (g + b);
+                    scales16 = _mm256_set_m128i(_mm_set1_epi16(sc[1] & 0x0F),
+                                                _mm_set1_epi16(sc[0] & 0x0F));
+                    mins16 = _mm256_set_m128i(_mm_set1_epi16(sc[1] >> 4),
+                                              _mm_set1_epi16(sc[0] >> 4));
+                }
+                for (int j = 0; j < MB; ++j) {
                     acc[i][j] = _mm256_fmadd_ps(dot_group(type, w, x[j], scales16),
                                                 _mm256_permutevar8x32_ps(dd[i][j], sel), acc[i][j]);
+                    if (type == Q2_K)   /* each half's min times the half's sum of x */
+                        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(
+                            _mm256_maddubs_epi16(_mm256_set1_epi8(1), x[j]), mins16)),
+                            _mm256_permutevar8x32_ps(dm[i][j], sel), acc[i][j]);
+                }
             }
         }
     }
@@ -527,6 +553,7 @@ TYPE_TILES(Q4_K, tiles_q4_k, 1)
 TYPE_TILES(Q5_K, tiles_q5_k, 1)
 TYPE_TILES(Q6_K, tiles_q6_k, 1)
 TYPE_TILES(Q3_K, tiles_q3_k, 1)
+TYPE_TILES(Q2_K, tiles_q2_k, 1)
 
 #define TYPE_CASE(T, NAME) case T: NAME(MB, &a, weight, N, n0, n1, m, dec, out); break
 
@@ -557,6 +584,7 @@ static void decode_rows(int type, const uint8_t *weight, int64_t K, int64_t n0, 
             case Q4_K: w = decode_group(Q4_K, row, G, g); break;
             case Q5_K: w = decode_group(Q5_K, row, G, g); break;
             case Q3_K: w = decode_group(Q3_K, row, G, g); break;
+            case Q2_K: w = decode_group(Q2_K, row, G, g); break;
             default: w = decode_group(Q6_K, row, G, g); break;
             }
             _mm256_storeu_si256((__m256i *)(dst + (n - n0) * K + g * QK), w);
@@ -573,7 +601,7 @@ int GGUF_FN(gguf_tiles)(const int8_t *xq, const float *dx, const float *xsum, in
     /* prefill: a K-quant's rows decoded once for every tile of activation rows
      * (the same bytes decode_group gives each tile: results do not change) */
     int8_t *dec = NULL;
-    if (!is_legacy(type) && m1 - m0 > MAX_ROWS && type >= 0 && type <= Q3_K) {
+    if (!is_legacy(type) && m1 - m0 > MAX_ROWS && type >= 0 && type <= Q2_K) {
         dec = decoded_scratch((size_t)((n1 - n0) * K));
         if (dec != NULL)
             decode_rows(type, weight, K, n0, n1, dec);
@@ -585,7 +613,7 @@ int GGUF_FN(gguf_tiles)(const int8_t *xq, const float *dx, const float *xsum, in
             TYPE_CASE(Q8_0, tiles_q8_0); TYPE_CASE(Q5_0, tiles_q5_0);
             TYPE_CASE(Q5_1, tiles_q5_1); TYPE_CASE(Q4_K, tiles_q4_k);
             TYPE_CASE(Q5_K, tiles_q5_k); TYPE_CASE(Q6_K, tiles_q6_k);
-            TYPE_CASE(Q3_K, tiles_q3_k);
+            TYPE_CASE(Q3_K, tiles_q3_k); TYPE_CASE(Q2_K, tiles_q2_k);
             default: return -2;
         }
     }

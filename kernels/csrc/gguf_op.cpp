@@ -38,7 +38,7 @@ void f32_gemv_vnni(const float *x, int64_t K, const float *w, int64_t N, int64_t
 namespace {
 
 constexpr int64_t kGroup = 32, kChunk = 8;
-constexpr int64_t kNumTypes = 9;            // kernels/gguf_cpu.py TYPE_CODES
+constexpr int64_t kNumTypes = 10;            // kernels/gguf_cpu.py TYPE_CODES
 constexpr int64_t kDecodeRows = 4;          // up to this many activation rows: split weight rows
 constexpr int64_t kRowTile = 128;           // prefill: activation rows of a task
 constexpr int64_t kWeightChunk = 16;        // prefill: weight rows of a task (stay in L1/L2)
