@@ -11,9 +11,9 @@ weight's 2- to 8-bit values is one integer dot (``maddubs`` + ``madd``, or VNNI'
 activations. The weight keeps the file's block bytes (``GGUFBlockWeight``: Q4_0, Q4_1,
 Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), regrouped per row by field so the kernel
 converts 8 scales at once; nothing is rounded at load (the 6-bit scales of Q3_K, Q4_K and
-Q5_K are unpacked to a byte each, 4 bytes a 256-weight super-block). The activation rounding is the kernel's
-only approximation, and ``gguf_gemm_reference`` (torch, fp64, over the exact decode
-``dequantize_fp64``) is the same formula, the tests' oracle.
+Q5_K are unpacked to a byte each, 4 bytes a 256-weight super-block). The activation
+rounding is the kernel's only approximation, and ``gguf_gemm_reference`` (torch, fp64,
+over the exact decode ``dequantize_fp64``) is the same formula, the tests' oracle.
 
 The kernel is the op ``rung::gguf_gemm`` (an opaque call inductor keeps in compiled
 graphs), its CPU implementation in C++ (``csrc/gguf_op.cpp``): the dispatcher calls the C
