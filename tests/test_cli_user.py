@@ -224,8 +224,10 @@ def _assert_every_flag_has_help(parser, name: str) -> None:
 
 
 def test_ctrl_c_during_start_up_exits_quietly_with_130():
+    # NOTE: 8 samples of 2000 tokens: the run outlasts a test process descheduled for a
+    # few seconds on a busy machine (a tiny model decodes ~1000 tokens a second)
     proc = subprocess.Popen(RUNG + ["generate", "--max-num-seqs", "8", "--ignore-eos",
-                                    "--max-tokens", "2000", "hi"],
+                                    "--max-tokens", "2000", "--n", "8", "hi"],
                             stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env=_env(), cwd=ROOT)
     deadline = time.monotonic() + 300
