@@ -32,7 +32,8 @@ from rung.runtime.spec.proposer import SpecStats
 from rung.runtime.structured import GrammarCompiler
 from rung.runtime.thread_policy import apply_thread_policy
 from rung.runtime.worker.kernel_warmup import sweep_attention_shapes
-from rung.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
+from rung.runtime.worker.model_runner import ModelRunner
+from rung.runtime.worker.step_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -36,12 +36,8 @@ from rung.runtime.sched.scheduler import ScheduledRequest, SchedulerOutput
 from rung.runtime.spec.proposer import Proposer, check_draft_rows
 from rung.runtime.worker.attention_groups import build_attention_groups, build_layer_metadata
 from rung.runtime.worker.input_batch import PaddedBatch
-from rung.runtime.worker.model_runner import (
-    ModelRunner,
-    ModelRunnerOutput,
-    SampledOnDevice,
-    find_attention_layers,
-)
+from rung.runtime.worker.model_runner import ModelRunner, SampledOnDevice, find_attention_layers
+from rung.runtime.worker.step_output import ModelRunnerOutput
 
 _DRAFT = "draft"           # the drafter's graphs in the graph manager (records: DRAFT_FULL)
 

@@ -21,14 +21,18 @@ from rung.kernels.backend import AttentionBackend, allocate_kv_cache
 from rung.kernels.selector import select_backend
 from rung.models.loader import LoadedModel
 from rung.runtime.config import EngineConfig, cpu_kvcache_space_bytes
-from rung.runtime.outputs import Logprob
 from rung.runtime.sched.request import Request
 from rung.runtime.sched.scheduler import SchedulerOutput
 from rung.runtime.worker.attention_groups import build_attention_groups, build_layer_metadata
 from rung.runtime.worker.input_batch import BatchLayout, HostCopyFence, InputBatch
-from rung.runtime.worker.logprobs import logprob_dict, prompt_rows, unpack_prompt_logprobs
 from rung.runtime.worker.rejection_sampler import num_accepted
 from rung.runtime.worker.sampler import Sampler, SamplingBatch, to_device, token_logprobs
+from rung.runtime.worker.step_output import (
+    ModelRunnerOutput,
+    logprob_dict,
+    prompt_rows,
+    unpack_prompt_logprobs,
+)
 
 if TYPE_CHECKING:
     from rung.graphs.manager import GraphManager
@@ -36,27 +40,6 @@ if TYPE_CHECKING:
 # (descriptor, num_tokens_across_dp) -> the descriptor the step runs
 DescriptorHook = Callable[[BatchExecutionDescriptor, "tuple[int, ...] | None"],
                           BatchExecutionDescriptor]
-
-
-@dataclasses.dataclass
-class ModelRunnerOutput:
-    """What one target step produced: everything the engine and a proposer read after it.
-
-    NOTE: ``hidden`` and ``logits`` may be views of static graph buffers: they are valid
-    until the next step runs, and a caller that keeps them longer clones them.
-    """
-
-    desc: BatchExecutionDescriptor                   # how the step ran (real and padded counts)
-    sampled: dict[str, list[int]]                    # request id -> new tokens (maybe none)
-    logprobs: dict[str, list[dict[int, Logprob]]]    # request id -> one dict per new token
-    hidden: torch.Tensor          # [num_tokens_padded, hidden] the target's last hidden states
-    logits: torch.Tensor          # [num_logits, vocab] at layout.logits_indices
-    # request id -> (position of its first entry, one dict per prompt token from there)
-    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = dataclasses.field(
-        default_factory=dict)
-    # a device drafter's k drafts per scheduled request (row order), back in the step's one
-    # copy; None without one, or when no request sampled
-    drafts: list[list[int]] | None = None
 
 
 @dataclasses.dataclass

@@ -1,19 +1,39 @@
-"""Logprobs on the host: the prompt positions a step computes them for, and what the host
-makes of the logprob rows in the step's one device-to-host copy (vLLM's
-``{token id: Logprob}`` dicts, for sampled tokens and for prompt positions)."""
+"""What one target step hands back (`ModelRunnerOutput`) and how the host reads the logprob
+rows of the step's one device-to-host copy into it (vLLM's ``{token id: Logprob}`` dicts,
+for sampled tokens and for prompt positions)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
 
 import numpy as np
+import torch
 
+from rung.core.descriptor import BatchExecutionDescriptor
 from rung.runtime.outputs import Logprob
+from rung.runtime.sched.request import Request
+from rung.runtime.sched.scheduler import SchedulerOutput
 
-if TYPE_CHECKING:
-    from rung.runtime.sched.request import Request
-    from rung.runtime.sched.scheduler import SchedulerOutput
-    from rung.runtime.worker.model_runner import ModelRunnerOutput
+
+@dataclasses.dataclass
+class ModelRunnerOutput:
+    """What one target step produced: everything the engine and a proposer read after it.
+
+    NOTE: ``hidden`` and ``logits`` may be views of static graph buffers: they are valid
+    until the next step runs, and a caller that keeps them longer clones them.
+    """
+
+    desc: BatchExecutionDescriptor                   # how the step ran (real and padded counts)
+    sampled: dict[str, list[int]]                    # request id -> new tokens (maybe none)
+    logprobs: dict[str, list[dict[int, Logprob]]]    # request id -> one dict per new token
+    hidden: torch.Tensor          # [num_tokens_padded, hidden] the target's last hidden states
+    logits: torch.Tensor          # [num_logits, vocab] at layout.logits_indices
+    # request id -> (position of its first entry, one dict per prompt token from there)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = dataclasses.field(
+        default_factory=dict)
+    # a device drafter's k drafts per scheduled request (row order), back in the step's one
+    # copy; None without one, or when no request sampled
+    drafts: list[list[int]] | None = None
 
 
 def prompt_rows(sched: SchedulerOutput) -> list[tuple[Request, int, int, int]]:
