@@ -145,10 +145,10 @@ class Scheduler:
         req.preempt()
         self.waiting.appendleft(req)
 
-    def finish(self, req: Request, reason: str) -> None:
+    def finish(self, req: Request, reason: str, error: str | None = None) -> None:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req.request_id)
-        req.finish(reason)
+        req.finish(reason, error)
