@@ -110,6 +110,10 @@ class GraphManager:
                 and resolve_graph_backend(graph_backend, runner.device) == "compiled"):
             mode = without_cpu_pieces(mode)
         self.dispatcher = Dispatcher(mode, sizes, runner.max_num_reqs, decode_query_len)
+        # a FULL step's descriptor -> the key of the graph it replays: a pure function of
+        # the descriptor (`Dispatcher.graph_key`), kept so a replay asks the dispatcher once
+        # per distinct batch shape (bounded by the ladder's sizes and max_num_seqs)
+        self._replay_keys: dict[BatchExecutionDescriptor, BatchExecutionDescriptor] = {}
         self._poison_gen = torch.Generator().manual_seed(1234)
         self.capture_backend = make_capture_backend(graph_backend, runner.device,
                                                     self._poison_pads if poison else None,
@@ -486,7 +490,10 @@ class GraphManager:
         for what reads it): hidden states, and the logits of hidden[rows] where a FULL
         graph computes them (``CapturedGraph.forward``)."""
         if desc.mode == CUDAGraphMode.FULL:
-            graph = self.full_graphs[(TARGET, self.dispatcher.graph_key(desc))]
+            key = self._replay_keys.get(desc)
+            if key is None:
+                key = self._replay_keys[desc] = self.dispatcher.graph_key(desc)
+            graph = self.full_graphs[(TARGET, key)]
             # NOTE: a target replay: _replaying is TARGET outside a drafter's replay
             inputs = self._full_inputs(ids, positions, ctx)
             if not self._full_replay_reads_context:

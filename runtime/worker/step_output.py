@@ -1,6 +1,8 @@
-"""What one target step hands back (`ModelRunnerOutput`) and how the host reads the logprob
-rows of the step's one device-to-host copy into it (vLLM's ``{token id: Logprob}`` dicts,
-for sampled tokens and for prompt positions)."""
+"""A step's output and the step's one device-to-host copy that carries it: `StepCopy`
+packs what the host reads of a step on the device (one float64 tensor, offsets computed
+here alone) and unpacks the copied values on the host into the `ModelRunnerOutput` the
+engine and a proposer read (tokens per request, vLLM's ``{token id: Logprob}`` dicts for
+sampled tokens and prompt positions, a device drafter's drafts)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,11 @@ from rung.core.descriptor import BatchExecutionDescriptor
 from rung.runtime.outputs import Logprob
 from rung.runtime.sched.request import Request
 from rung.runtime.sched.scheduler import SchedulerOutput
+from rung.runtime.worker.input_batch import HostCopyFence
+
+# (request, first token row, first prompt position, count): prompt positions whose next
+# prompt token's logprob a step computes
+PromptRows = tuple[Request, int, int, int]
 
 
 @dataclasses.dataclass
@@ -36,7 +43,107 @@ class ModelRunnerOutput:
     drafts: list[list[int]] | None = None
 
 
-def prompt_rows(sched: SchedulerOutput) -> list[tuple[Request, int, int, int]]:
+@dataclasses.dataclass
+class StepCopy:
+    """What the host reads of one step, on the device until `HostCopy.fetch` copies it.
+
+    Packed in this order into one float64 tensor, each section only when present (a token
+    id or a count is exact in float64):
+      tokens          [num_rows] the sampler's token per logits row; request j owns rows
+                      [starts[j], starts[j] + 1 + k_j)
+      accepted        [num_sampling] drafts kept per sampling request
+      logprobs        [num_rows, 2 + 2 * num_top] `token_logprobs` rows
+      prompt_logprobs [num_prompt_rows, 2 + 2 * num_top_prompt] `token_logprobs` rows of
+                      the ``prompt`` positions
+      drafts          [num_reqs, k] a device drafter's drafts, per scheduled request
+    """
+
+    reqs: list[Request]                      # host: the sampling requests, in row order
+    starts: np.ndarray                       # host [num_sampling] int64: first row of each
+    tokens: torch.Tensor | None = None
+    accepted: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    prompt: list[PromptRows] = dataclasses.field(default_factory=list)
+    prompt_logprobs: torch.Tensor | None = None
+    drafts: torch.Tensor | None = None
+
+    def _sections(self) -> list[torch.Tensor]:
+        return [t for t in (self.tokens, self.accepted, self.logprobs, self.prompt_logprobs,
+                            self.drafts) if t is not None]
+
+    def pack(self) -> torch.Tensor:
+        """Device side: every section, flattened, in one float64 tensor."""
+        parts = [t.double().flatten() for t in self._sections()]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def unpack(self, host: np.ndarray, out: ModelRunnerOutput) -> None:
+        """Host side: ``host`` (the packed values) -> ``out``'s sampled tokens, logprobs,
+        prompt logprobs and drafts."""
+        views, end = {}, 0
+        for name in ("tokens", "accepted", "logprobs", "prompt_logprobs", "drafts"):
+            section = getattr(self, name)
+            if section is not None:
+                views[name] = host[end:end + section.numel()].reshape(section.shape)
+                end += section.numel()
+        if self.tokens is not None:
+            self._unpack_sampled(views, out)
+        if self.prompt:
+            self._unpack_prompt(views["prompt_logprobs"], out)
+        if self.drafts is not None:
+            out.drafts = views["drafts"].astype(np.int64).tolist()
+
+    def _unpack_sampled(self, views: dict[str, np.ndarray], out: ModelRunnerOutput) -> None:
+        tokens = views["tokens"].astype(np.int64)
+        accepted = (views["accepted"].astype(np.int64).tolist() if "accepted" in views
+                    else [0] * len(self.reqs))
+        lps = views.get("logprobs")
+        for req, start, n_acc in zip(self.reqs, self.starts.tolist(), accepted):
+            out.sampled[req.request_id] = tokens[start:start + n_acc + 1].tolist()
+            if req.params.logprobs is not None:
+                out.logprobs[req.request_id] = [
+                    logprob_dict(int(tokens[r]), lps[r], req.params.logprobs)
+                    for r in range(start, start + n_acc + 1)]
+
+    def _unpack_prompt(self, lps: np.ndarray, out: ModelRunnerOutput) -> None:
+        row = 0
+        for req, _, first, n in self.prompt:
+            ids = req.prompt_token_ids[first + 1:first + 1 + n]
+            out.prompt_logprobs[req.request_id] = (first + 1, [
+                logprob_dict(t, lps[row + i], req.params.prompt_logprobs)
+                for i, t in enumerate(ids)])
+            row += n
+
+
+class HostCopy:
+    """Pinned staging of the step's one device-to-host copy, behind a HostCopyFence.
+
+    NOTE: the copy is non_blocking into pinned memory, then the fence waits on its event:
+    the one host sync of a step on CUDA. On CPU the device tensor is host memory, read in
+    place.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.fence = HostCopyFence(device)
+        self._pinned: torch.Tensor | None = None        # [capacity] float64, grown on demand
+
+    def fetch(self, step: StepCopy, out: ModelRunnerOutput) -> None:
+        """Pack ``step`` on the device, copy it to the host, unpack it into ``out``."""
+        packed = step.pack()                            # [n] float64 on the device
+        if self.device.type == "cpu":
+            step.unpack(packed.numpy(), out)
+            return
+        n = packed.numel()
+        if self._pinned is None or self._pinned.numel() < n:
+            self._pinned = torch.empty(max(n, 4096), dtype=torch.float64, pin_memory=True)
+        host = self._pinned[:n]
+        host.copy_(packed, non_blocking=True)
+        self.fence.record()
+        self.fence.wait()
+        step.unpack(host.numpy(), out)
+
+
+def prompt_rows(sched: SchedulerOutput) -> list[PromptRows]:
     """(request, first token row, first position, count) of the prompt positions whose
     next prompt token's logprob was asked for (``prompt_logprobs``) in this step."""
     found, row = [], 0
@@ -48,24 +155,6 @@ def prompt_rows(sched: SchedulerOutput) -> list[tuple[Request, int, int, int]]:
             found.append((req, row, first, last - first))
         row += s.num_new_tokens
     return found
-
-
-def unpack_prompt_logprobs(host: np.ndarray, prompt: list[tuple[Request, int, int, int]],
-                   out: ModelRunnerOutput) -> np.ndarray:
-    """host: [num_prompt_rows, 2 + 2 * num_top] (`_prompt_logprobs`) -> out.prompt_logprobs.
-    Returns what follows."""
-    num_rows = sum(n for *_, n in prompt)
-    num_top = max(req.params.prompt_logprobs for req, *_ in prompt)
-    end = num_rows * (2 + 2 * num_top)
-    lps = host[:end].reshape(num_rows, -1)
-    row = 0
-    for req, _, first, n in prompt:
-        ids = req.prompt_token_ids[first + 1:first + 1 + n]
-        out.prompt_logprobs[req.request_id] = (first + 1, [
-            logprob_dict(t, lps[row + i], req.params.prompt_logprobs)
-            for i, t in enumerate(ids)])
-        row += n
-    return host[end:]
 
 
 def logprob_dict(token: int, row: np.ndarray, num_top: int) -> dict[int, Logprob]:
