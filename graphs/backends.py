@@ -51,8 +51,7 @@ def make_capture_backend(name: str, device: torch.device,
 def without_cpu_pieces(mode: CUDAGraphMode) -> CUDAGraphMode:
     """The mode without PIECEWISE graphs, for compiled CPU graphs whose pieces would run
     uncompiled: such a replay is the eager ops plus a copy into static outputs, SLOWER than
-    eager (SmolLM2, 24-token prefill: 1.17x eager's time, ``python -m
-    rung.bench.piecewise_cpu``), and costs a dynamo trace of the whole model (18 s)."""
+    eager (docs/performance.md), and costs a dynamo trace of the whole model."""
     new = CUDAGraphMode.FULL_DECODE_ONLY if mode.has_full() else CUDAGraphMode.NONE
     logger.info("compiled CPU graphs: cudagraph_mode %s runs as %s (PIECEWISE pieces would "
                 "run uncompiled, slower than eager; compilation_config backend='inductor' "

@@ -21,9 +21,9 @@ from rung.graphs.direct_call import DirectCall, direct_call, wrapper_library
 
 logger = logging.getLogger(__name__)
 
-# NOTE: the C++ wrapper calls a replay's ~10 kernels per layer without Python in between
-# (0.95x vs 1.17x the matmul floor at 1 request, bench-llama) at the price of a longer
-# compile. Part of the artifact cache key.
+# NOTE: the C++ wrapper calls a replay's kernels without Python in between (closer to the
+# matmul floor at one request, docs/performance.md) at the price of a longer compile.
+# Part of the artifact cache key.
 INDUCTOR_OPTIONS: dict[str, Any] = {"config_patches": {"cpp_wrapper": True}}
 
 

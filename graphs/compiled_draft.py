@@ -12,9 +12,7 @@ masked; not k), and it is kept in the disk cache. Bound to a size, a graph must 
 eager rounds' drafts on that size's capture batch before it goes live.
 
 Why a round and not all k rounds in one artifact: the unrolled rounds' compile grows with k
-and their replay is no faster (``python -m rung.bench.draft_step``, tiny-gemma4-mtp, k = 3,
-one process, load average 6-10: compile 80.5 s a round vs 97.7 s unrolled; draft step at 1
-request 1.92 ms vs 2.05 ms, the eager rounds 10.10 ms).
+and their replay is no faster (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
             mismatches: list[str] = []
             # NOTE: eager beside the artifacts only where these run on one thread: an
             # artifact generated for more waits at each parallel loop's barrier for a core
-            # the eager thread holds (SmolLM2 at 2 threads: ~10x the layer's time)
+            # the eager thread holds, many times the layer's own time
             overlap = backend.threads == 1 and not off_thread
             with _one_thread() if overlap else contextlib.nullcontext():
                 with _Teacher(parts, inputs[0], inputs[1], _eager_context(ctx),
@@ -229,10 +229,9 @@ class _Teacher:
 
     NOTE: layer by layer, not on the last hidden states: where activations are rounded to
     int8 (GGUF on CPU), inductor's last-bit differences in a fused norm flip roundings, and
-    the flips compound over the layers into differences far past any tolerance (SmolLM2
-    Q4_1: 0.27 of 28.8 after 30 layers) that say nothing about the artifact. Fed the same
-    input, each layer holds rtol 1e-3, atol 1e-4 (SmolLM2, sizes 1-16: the worst element
-    used 0.71 of it in Q4_1, 0.40 in fp32).
+    the flips compound over the layers into differences far past any tolerance that say
+    nothing about the artifact. Fed the same input, each layer holds rtol 1e-3, atol 1e-4
+    (docs/performance.md: how much of it real models use).
 
     NOTE: with ``overlap`` the eager layers run in a thread, one layer ahead of the
     artifacts: both release the GIL in their kernels, so on two cores a check costs about

@@ -354,9 +354,8 @@ class GraphManager:
     def _symbolic_from_two_rows(self, desc: BatchExecutionDescriptor,
                                 scratch: bool = False) -> float | None:
         """A one-row graph binds the symbolic per-layer artifacts (one compile for every
-        size; before rope, norm and head joined the artifacts its replay cost 1.11x the
-        whole forward's thread CPU time vs a static one's 1.04x, after it whole decode steps
-        0.998x at one request, CPU time 1.032x), built first on a capture batch of two rows
+        size, and a replay as fast as a static artifact's: docs/performance.md), built
+        first on a capture batch of two rows
         if need be (a trace of one row would specialise the batch dimension): the seconds
         that compile took. None when the batch is never two rows: a static artifact then."""
         if not self.symbolic_batch or self.runner.max_num_reqs < MIN_DYNAMIC_SIZE:
