@@ -44,8 +44,8 @@ def _whole_rounds(llm: Any) -> float:
     """Replace each compiled draft graph by one artifact of the k unrolled rounds; the
     seconds its compile took."""
     from rung.core.forward_context import forward_context
-    from rung.graphs.compiled import compile_key, symbolic_dims
-    from rung.graphs.compiled_draft import DRAFT_BATCHED, draft_tensors
+    from rung.graphs.cpu_compiled.artifacts import compile_key, symbolic_dims
+    from rung.graphs.cpu_compiled.draft_rounds import DRAFT_BATCHED, draft_tensors
 
     proposer, graphs = llm.engine.proposer, llm.engine.runner.graphs
     backend, start = graphs.capture_backend, time.perf_counter()
@@ -55,7 +55,7 @@ def _whole_rounds(llm: Any) -> float:
             ctx = proposer._context(desc)
             inputs = proposer.batch.graph_inputs(desc)
             with forward_context(ctx):
-                named = draft_tensors(inputs, ctx, graphs._named_tensors([]),
+                named = draft_tensors(inputs, ctx, graphs.named_tensors([]),
                                       {"draft.": proposer.drafter})
                 symbolic = max(d.num_reqs_padded for d in proposer.captured) >= 2
                 dynamic = symbolic_dims(named, ctx, symbolic, DRAFT_BATCHED)

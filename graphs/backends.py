@@ -1,4 +1,5 @@
-"""Which capture backend a device gets: CUDA graphs, compiled CPU graphs, or emulation."""
+"""Which capture backend a device gets: CUDA graphs, compiled CPU graphs, or emulation (each
+a `CaptureBackend`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from typing import Callable
 import torch
 
 from rung.core.graph_mode import CUDAGraphMode
-from rung.graphs.artifact_cache import ArtifactCache
-from rung.graphs.capture import CudaGraphBackend, EmulatedGraphBackend
-from rung.graphs.compiled import CompiledGraphBackend
+from rung.graphs.capture import CaptureBackend, CudaGraphBackend, EmulatedGraphBackend
+from rung.graphs.cpu_compiled.artifact_cache import ArtifactCache
+from rung.graphs.cpu_compiled.capture_backend import CompiledGraphBackend
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ def make_capture_backend(name: str, device: torch.device,
                          poison_hook: Callable[[], None] | None,
                          artifact_cache: ArtifactCache | None = None,
                          compile_threads: int | None = None
-                         ) -> EmulatedGraphBackend | CudaGraphBackend:
+                         ) -> CaptureBackend:
     name = resolve_graph_backend(name, device)
     if name == "cuda":
         if device.type != "cuda":

@@ -110,3 +110,22 @@ def test_the_server_sits_on_the_public_api_and_only_the_cli_imports_it(tmp_path)
         "bench/up.py imports rung.server.app (bench may import core, graphs, kernels, "
         "models, runtime)",
         "server/deep.py imports rung.runtime.engine (server may import only rung.runtime)"]
+
+
+def test_the_graph_manager_sees_its_backend_only_through_the_interface():
+    """graphs/manager.py asks no ``isinstance`` of a backend or a graph, and only the backend
+    factory (graphs/backends.py) reaches into compiled CPU graphs' room."""
+    import ast
+
+    source = (ROOT / "graphs" / "manager.py").read_text()
+    asked = [ast.unparse(node) for node in ast.walk(ast.parse(source))
+             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
+             and any(name.endswith(("Backend", "Graph"))
+                     for name in ast.unparse(node.args[1]).replace("(", " ").replace(
+                         ")", " ").replace(",", " ").split())]
+    assert asked == []
+    graph = module_graph()
+    reaching = sorted(source for source, targets in graph.items()
+                      if source.startswith("graphs/") and "/cpu_compiled/" not in source
+                      and any(t.startswith("graphs/cpu_compiled/") for t in targets))
+    assert reaching == ["graphs/backends.py"]

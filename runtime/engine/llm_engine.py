@@ -14,7 +14,7 @@ from rung.graphs.backends import resolve_graph_backend
 from rung.graphs.manager import CaptureRecord
 from rung.runtime.config import EngineConfig
 from rung.runtime.dist.data_parallel import DataParallelGroup, DPStep, init_data_parallel
-from rung.runtime.engine.data_parallel import EngineDataParallel
+from rung.runtime.engine.dp_sync import EngineDataParallel
 from rung.runtime.engine.output_processor import make_output
 from rung.runtime.engine.parallel_sampling import ParallelSampling, ParentRequest
 from rung.runtime.engine.processor import InputProcessor, Prompt

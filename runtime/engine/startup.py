@@ -12,14 +12,14 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from rung.graphs.artifact_cache import (
+from rung.graphs.backends import resolve_graph_backend
+from rung.graphs.builder import GraphBuilder
+from rung.graphs.cpu_compiled.artifact_cache import (
     ArtifactCache,
     default_cache_dir,
     holds_loadable_build,
     prepare_inductor,
 )
-from rung.graphs.backends import resolve_graph_backend
-from rung.graphs.builder import GraphBuilder
 from rung.graphs.ladder import capture_sizes
 from rung.graphs.manager import TARGET, CaptureRecord, GraphManager
 from rung.kernels.batch_invariant import make_batch_invariant

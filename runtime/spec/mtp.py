@@ -24,7 +24,7 @@ from rung.core.attention_metadata import PAD_SLOT_ID
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.forward_context import ForwardContext, forward_context
 from rung.core.graph_mode import CUDAGraphMode, GraphSupport
-from rung.graphs.compiled_draft import DraftRounds
+from rung.graphs.cpu_compiled.draft_rounds import DraftRounds
 from rung.graphs.dispatcher import Dispatcher
 from rung.graphs.ladder import draft_capture_sizes
 from rung.graphs.manager import CaptureRecord, GraphManager
