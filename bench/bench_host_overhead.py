@@ -96,7 +96,8 @@ def host_prepare(engine: LLMEngine) -> BatchExecutionDescriptor:
     """Everything between two forwards but sampling; leaves the requests where they are."""
     sched = engine.scheduler.schedule()
     runner = engine.runner
-    desc = runner.dispatcher.dispatch(sched.num_reqs, sched.num_tokens, 1)
+    desc = runner.dispatcher.dispatch(sched.num_reqs, sched.num_tokens,
+                                      sched.uniform_query_len)
     inputs = runner.input_batch.prepare(sched, sched.block_ids, desc, runner.max_model_len)
     runner.forward_args(desc, inputs)
     return desc

@@ -34,7 +34,7 @@ def _decode_step(num_reqs: int, num_groups: int = 2) -> tuple[SchedulerOutput, l
         req.num_computed_tokens = 5
         scheduled.append(ScheduledRequest(req, 1))
         block_ids.append([[10 * i + 2 * g + 1, 10 * i + 2 * g + 2] for g in range(num_groups)])
-    return SchedulerOutput(scheduled, num_reqs, [], []), block_ids
+    return SchedulerOutput(scheduled, num_reqs, [], [], block_ids, [1] * num_reqs, 1), block_ids
 
 
 def test_pad_rows_are_rewritten_after_poison_for_every_group():

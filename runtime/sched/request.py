@@ -38,6 +38,16 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
+    # NOTE: slotted: every field is declared here, and the step's reads of them are a
+    # slot's, not a dict lookup's
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "num_prompt_tokens", "params",
+                 "processes_logits", "argmax_only", "eos_token_id", "arrival", "max_model_len",
+                 "token_ids", "num_tokens", "num_output_tokens", "num_computed_tokens",
+                 "spec_token_ids", "block_hashes", "status", "is_finished", "finish_reason",
+                 "stop_reason", "error", "decode_token", "detokenizer", "num_sent_tokens",
+                 "num_sent_chars", "logprobs", "cumulative_logprob", "prompt_logprobs",
+                 "num_preemptions", "num_cached_tokens", "grammar")
+
     def __init__(self, request_id: RequestId, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, eos_token_id: int | None, arrival: int,
                  tokenizer=None, max_model_len: int | None = None) -> None:

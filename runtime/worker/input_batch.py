@@ -23,7 +23,6 @@ class BatchLayout:
 
     num_reqs: int
     num_tokens: int
-    uniform_query_len: int | None
     max_query_len: int
     max_seq_len: int
     logits_indices: np.ndarray   # [num_logits] int64: token rows whose logits are sampled
@@ -263,7 +262,7 @@ class InputBatch(PaddedBatch):
                                f"buffers {self.max_num_reqs} / {self.max_num_tokens}")
         if self.on_device:              # NOTE: once: every write below is after it
             self.copy_fence.wait()
-        counts = np.array([s.num_new_tokens for s in sched.scheduled], dtype=np.int64)
+        counts = np.array(sched.num_new_tokens, dtype=np.int64)
         starts = np.array([s.request.num_computed_tokens for s in sched.scheduled],
                           dtype=np.int64)
         qsl = self.query_start_loc.host
@@ -322,7 +321,7 @@ class InputBatch(PaddedBatch):
     @staticmethod
     def prepare_empty_layout() -> BatchLayout:
         """The layout of a batch of no real request, writing no buffer."""
-        return BatchLayout(0, 0, None, 0, 0, np.zeros(0, np.int64), [])
+        return BatchLayout(0, 0, 0, 0, np.zeros(0, np.int64), [])
 
     def _layout(self, sched: SchedulerOutput, counts: np.ndarray, qsl: np.ndarray) -> BatchLayout:
         num_reqs = len(sched.scheduled)
@@ -337,8 +336,7 @@ class InputBatch(PaddedBatch):
             within = np.arange(int(per_req.sum())) - np.repeat(np.cumsum(per_req) - per_req,
                                                                 per_req)
             logits_indices = first + within                          # [num_logits]
-        uniform = int(counts[0]) if num_reqs and bool((counts == counts[0]).all()) else None
-        return BatchLayout(num_reqs, sched.num_tokens, uniform, int(counts.max(initial=0)),
+        return BatchLayout(num_reqs, sched.num_tokens, int(counts.max(initial=0)),
                            int(self.seq_lens.host[:num_reqs].max(initial=0)), logits_indices,
                            num_logits)
 

@@ -198,10 +198,8 @@ class ModelRunner:
                   num_tokens_across_dp: tuple[int, ...] | None) -> BatchExecutionDescriptor:
         """The descriptor the step runs: the dispatcher's for its real counts, then every
         descriptor hook's."""
-        counts = [s.num_new_tokens for s in sched.scheduled]
-        uniform = counts[0] if counts and counts.count(counts[0]) == len(counts) else None
-        desc = self.dispatcher.dispatch(len(counts), sched.num_tokens, uniform,
-                                        num_tokens_across_dp)
+        desc = self.dispatcher.dispatch(len(sched.scheduled), sched.num_tokens,
+                                        sched.uniform_query_len, num_tokens_across_dp)
         for hook in self._descriptor_hooks:
             desc = hook(desc, num_tokens_across_dp)
         return desc
@@ -291,30 +289,31 @@ class ModelRunner:
             bool(reqs) or num_draft_tokens_across_dp is not None)
         if not reqs and not prompt and not drafting:
             return
-        step, sampled = StepCopy(reqs, np.zeros(0, np.int64), prompt=prompt), None
+        starts = tokens = accepted = lps = prompt_lps = proposed = sampled = None
         if reqs:
             result = self.sampler.sample(logits, reqs, drafts, self.config.seed,
                                          self.vocab_size, self.device)
-            batch = result.batch
-            step.starts, step.tokens, step.logprobs = batch.starts, result.tokens, result.logprobs
+            batch, tokens, lps = result.batch, result.tokens, result.logprobs
+            starts = batch.starts
             if batch.num_drafts or drafting:
-                accepted = num_accepted(result.tokens, batch)      # [num_reqs] int64
-            if batch.num_drafts:
-                step.accepted = accepted
+                accepted = num_accepted(tokens, batch)            # [num_reqs] int64
             if drafting:
                 sampled = SampledOnDevice(
-                    result.tokens, accepted, to_device(self.device, np.asarray(req_rows)),
-                    to_device(self.device, batch.starts), inputs.logits_indices)
+                    tokens, accepted, to_device(self.device, np.asarray(req_rows)),
+                    to_device(self.device, starts), inputs.logits_indices)
+            if not batch.num_drafts:
+                accepted = None                                   # NOTE: not copied
         if prompt:
-            step.prompt_logprobs = self._prompt_logprobs(out.hidden, prompt)
+            prompt_lps = self._prompt_logprobs(out.hidden, prompt)
         if drafting:
             # NOTE: queued behind the sampler, before the copy: no host round trip between
             proposed = self.drafter.draft(out.desc.for_drafting(), sched, out.hidden,
                                           sampled, num_draft_tokens_across_dp)
-            if reqs:
-                step.drafts = proposed                            # [num_reqs, k]
-        if reqs or prompt:
-            self.host_copy.fetch(step, out)                       # NOTE: the step's one copy
+            if not reqs:
+                proposed = None                                   # NOTE: not copied
+        if reqs or prompt:                                        # NOTE: the step's one copy
+            self.host_copy.fetch(StepCopy(reqs, starts, tokens, accepted, lps, prompt,
+                                          prompt_lps, proposed), out)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt: list[PromptRows]) -> torch.Tensor:
         """Row t: the logprob of prompt token t + 1. -> [num_rows, 2 + 2 * num_top]."""

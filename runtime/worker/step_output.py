@@ -59,44 +59,53 @@ class StepCopy:
     """
 
     reqs: list[Request]                      # host: the sampling requests, in row order
-    starts: np.ndarray                       # host [num_sampling] int64: first row of each
-    tokens: torch.Tensor | None = None
-    accepted: torch.Tensor | None = None
-    logprobs: torch.Tensor | None = None
-    prompt: list[PromptRows] = dataclasses.field(default_factory=list)
-    prompt_logprobs: torch.Tensor | None = None
-    drafts: torch.Tensor | None = None
+    starts: np.ndarray | None                # host [num_sampling] int64: first row of each
+    tokens: torch.Tensor | None
+    accepted: torch.Tensor | None
+    logprobs: torch.Tensor | None
+    prompt: list[PromptRows]
+    prompt_logprobs: torch.Tensor | None
+    drafts: torch.Tensor | None
 
-    def _sections(self) -> list[torch.Tensor]:
-        return [t for t in (self.tokens, self.accepted, self.logprobs, self.prompt_logprobs,
-                            self.drafts) if t is not None]
+    def pack(self) -> tuple[torch.Tensor, list[torch.Size | None] | None]:
+        """Device side: every section, flattened, in one float64 tensor; and the sections'
+        shapes, in order (None where absent), that `unpack` cuts the copy back by (None:
+        the tokens alone)."""
+        sections = (self.tokens, self.accepted, self.logprobs, self.prompt_logprobs,
+                    self.drafts)
+        if self.accepted is None and self.logprobs is None and self.prompt_logprobs is None \
+                and self.drafts is None:           # NOTE: the common step: tokens alone
+            return self.tokens.double(), None
+        parts = [t.double().reshape(-1) for t in sections if t is not None]
+        return torch.cat(parts), [None if t is None else t.shape for t in sections]
 
-    def pack(self) -> torch.Tensor:
-        """Device side: every section, flattened, in one float64 tensor."""
-        parts = [t.double().flatten() for t in self._sections()]
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+    def unpack(self, host: np.ndarray, shapes: list | None, out: ModelRunnerOutput) -> None:
+        """Host side: ``host`` (the packed values, cut by ``shapes`` from `pack`) ->
+        ``out``'s sampled tokens, logprobs, prompt logprobs and drafts."""
+        if shapes is None:
+            views = [host, None, None, None, None]
+        else:
+            views, end = [], 0
+            for shape in shapes:
+                if shape is None:
+                    views.append(None)
+                    continue
+                n = int(np.prod(shape))
+                views.append(host[end:end + n].reshape(shape))
+                end += n
+        tokens, accepted, lps, prompt_lps, drafts = views
+        if tokens is not None:
+            self._unpack_sampled(tokens, accepted, lps, out)
+        if prompt_lps is not None:
+            self._unpack_prompt(prompt_lps, out)
+        if drafts is not None:
+            out.drafts = drafts.astype(np.int64).tolist()
 
-    def unpack(self, host: np.ndarray, out: ModelRunnerOutput) -> None:
-        """Host side: ``host`` (the packed values) -> ``out``'s sampled tokens, logprobs,
-        prompt logprobs and drafts."""
-        views, end = {}, 0
-        for name in ("tokens", "accepted", "logprobs", "prompt_logprobs", "drafts"):
-            section = getattr(self, name)
-            if section is not None:
-                views[name] = host[end:end + section.numel()].reshape(section.shape)
-                end += section.numel()
-        if self.tokens is not None:
-            self._unpack_sampled(views, out)
-        if self.prompt:
-            self._unpack_prompt(views["prompt_logprobs"], out)
-        if self.drafts is not None:
-            out.drafts = views["drafts"].astype(np.int64).tolist()
-
-    def _unpack_sampled(self, views: dict[str, np.ndarray], out: ModelRunnerOutput) -> None:
-        tokens = views["tokens"].astype(np.int64)
-        accepted = (views["accepted"].astype(np.int64).tolist() if "accepted" in views
+    def _unpack_sampled(self, tokens: np.ndarray, accepted: np.ndarray | None,
+                        lps: np.ndarray | None, out: ModelRunnerOutput) -> None:
+        tokens = tokens.astype(np.int64)
+        accepted = (accepted.astype(np.int64).tolist() if accepted is not None
                     else [0] * len(self.reqs))
-        lps = views.get("logprobs")
         for req, start, n_acc in zip(self.reqs, self.starts.tolist(), accepted):
             out.sampled[req.request_id] = tokens[start:start + n_acc + 1].tolist()
             if req.params.logprobs is not None:
@@ -129,9 +138,9 @@ class HostCopy:
 
     def fetch(self, step: StepCopy, out: ModelRunnerOutput) -> None:
         """Pack ``step`` on the device, copy it to the host, unpack it into ``out``."""
-        packed = step.pack()                            # [n] float64 on the device
+        packed, shapes = step.pack()                    # [n] float64 on the device
         if self.device.type == "cpu":
-            step.unpack(packed.numpy(), out)
+            step.unpack(packed.numpy(), shapes, out)
             return
         n = packed.numel()
         if self._pinned is None or self._pinned.numel() < n:
@@ -140,7 +149,7 @@ class HostCopy:
         host.copy_(packed, non_blocking=True)
         self.fence.record()
         self.fence.wait()
-        step.unpack(host.numpy(), out)
+        step.unpack(host.numpy(), shapes, out)
 
 
 def prompt_rows(sched: SchedulerOutput) -> list[PromptRows]:
