@@ -7,8 +7,9 @@ Built from the real engine pieces on bench-llama (8 layers) in decode steady sta
 request is past its prompt and decodes one token per step, dispatched on the default
 ladder under FULL_DECODE_ONLY (padded FULL descriptors, as a graph replay would see them).
 
-- ``test_host_prepare``: Scheduler.schedule (with block ids) + InputBatch.prepare / pad +
-  dispatch + ModelRunner.build_metadata: the work between two forwards.
+- ``test_host_prepare``: Scheduler.schedule (with block ids) + dispatch +
+  InputBatch.prepare (rows, pads, metadata views) + every layer's attention metadata: the
+  work between two forwards.
 - ``test_host_engine_step``: a whole ``LLMEngine.step()`` with the model replaced by
   preallocated zeros (no forward, no lm_head): adds sampling and output bookkeeping.
 """
@@ -95,11 +96,10 @@ def host_prepare(engine: LLMEngine) -> BatchExecutionDescriptor:
     """Everything between two forwards but sampling; leaves the requests where they are."""
     sched = engine.scheduler.schedule()
     runner = engine.runner
-    layout = runner.input_batch.prepare(sched, sched.block_ids)
-    desc = runner.dispatcher.dispatch(layout.num_reqs, layout.num_tokens,
-                                      layout.uniform_query_len)
-    runner.input_batch.pad(desc)
-    runner.build_metadata(desc, layout)
+    desc = runner.dispatcher.dispatch(sched.num_reqs, sched.num_tokens,
+                                      sched.uniform_query_len)
+    inputs = runner.input_batch.prepare(sched, sched.block_ids, desc, runner.max_model_len)
+    runner.forward_args(desc, inputs)
     return desc
 
 

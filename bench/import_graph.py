@@ -3,9 +3,11 @@
     python -m rung.bench.import_graph [ROOT]      # ROOT: a checkout, this one by default
 
 Prints one line per package: the rung packages it imports and how many import statements
-do so, then whether the graph keeps to the layering and has no cycle. Every import counts,
-including those under ``if TYPE_CHECKING:`` and inside functions: a type-only import of a
-higher layer is still a dependency a reader has to hold in mind.
+do so, then whether the graph keeps to the layering, whether the packages form a cycle,
+and whether any modules do (a loop inside one package counts: ``a.py`` imports ``b.py``
+imports ``a.py``). Every import counts, including those under ``if TYPE_CHECKING:`` and
+inside functions: a type-only import is still a dependency a reader has to hold in mind,
+and a type-only loop says a shared type sits in the wrong module.
 
 The layering (each node may import only the nodes listed for it):
 
@@ -110,6 +112,80 @@ def module_edges(root: Path = ROOT) -> list[Edge]:
     return edges
 
 
+def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Every rung module (by its file, e.g. ``graphs/manager.py``, a package by its
+    ``__init__.py``) -> the rung modules it imports. ``from rung.a import b`` imports the
+    module ``a/b.py`` when there is one, else (a name defined in it) ``a``."""
+    files = {}
+    for package in PACKAGES:
+        if (root / package).is_dir():
+            for path in sorted((root / package).rglob("*.py")):
+                rel = str(path.relative_to(root))
+                files[_module_name(rel)] = rel
+    graph: dict[str, set[str]] = {rel: set() for rel in files.values()}
+    for name, rel in files.items():
+        for node in ast.walk(ast.parse((root / rel).read_text(), rel)):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [f"{node.module}.{alias.name}"
+                           if f"{node.module}.{alias.name}" in files else node.module
+                           for alias in node.names]
+            else:
+                continue
+            graph[rel].update(files[t] for t in targets if t in files and t != name)
+    return graph
+
+
+def _module_name(rel: str) -> str:
+    """graphs/manager.py -> rung.graphs.manager, runtime/engine/__init__.py ->
+    rung.runtime.engine."""
+    return "rung." + rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def module_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import loop between modules: the strongly connected components of more than one
+    module (Tarjan's algorithm, iterative), each sorted, in sorted order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    loops = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    loops.append(sorted(component))
+    return sorted(loops)
+
+
 def package_graph(edges: list[Edge]) -> dict[str, collections.Counter]:
     graph: dict[str, collections.Counter] = {n: collections.Counter() for n in NODES}
     for source, target, _ in edges:
@@ -165,7 +241,8 @@ def find_cycle(graph: dict[str, collections.Counter]) -> list[str] | None:
 
 
 def main(argv: list[str]) -> int:
-    edges = module_edges(Path(argv[0]) if argv else ROOT)
+    root = Path(argv[0]) if argv else ROOT
+    edges = module_edges(root)
     graph = package_graph(edges)
     for package in NODES:
         targets = ", ".join(f"{t} ({n})" for t, n in sorted(graph[package].items()))
@@ -173,10 +250,14 @@ def main(argv: list[str]) -> int:
     cycle = find_cycle(graph)
     bad = violations(edges)
     print("cycle: " + (" -> ".join(cycle) if cycle else "none"))
+    loops = module_cycles(module_graph(root))
+    print(f"import loops between modules: {len(loops)}")
+    for loop in loops:
+        print(f"  {', '.join(loop)}")
     print(f"imports against the layering: {len(bad)}")
     for line in bad:
         print(f"  {line}")
-    return 1 if cycle or bad else 0
+    return 1 if cycle or loops or bad else 0
 
 
 if __name__ == "__main__":

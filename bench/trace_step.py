@@ -7,8 +7,9 @@ the requests past their prompts and a few decode steps, then traces one more
 ``LLMEngine.step()``: a uniform decode batch that replays a FULL graph, in production mode
 (``debug_padding`` off: debug mode adds checks). Prints every rung
 function the step calls (properties count: they are calls; comprehensions and generator
-expressions do not), in the order first called, then the files, and how often the walk
-came back to a file it had left.
+expressions do not), in the order first called; then every file entry in order (a call
+from another file: the file, the function entered, the file it came from); then the
+files, how often each was entered and how often the walk came back to a file it had left.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class StepTrace:
     functions: list[str]         # "file:qualname", in the order first called
     files: list[str]             # in the order first entered
     file_visits: list[str]       # the file of every call that entered another file
+    # (file entered, function entered, file it was called from) of every such call
+    entries: list[tuple[str, str, str | None]] = dataclasses.field(default_factory=list)
 
 
 def _library_file(filename: str) -> str | None:
@@ -46,6 +49,7 @@ def trace_calls(fn) -> StepTrace:
     functions: dict[str, None] = {}
     files: dict[str, None] = {}
     visits: list[str] = []
+    entries: list[tuple[str, str, str | None]] = []
     stack: list[str | None] = []
 
     def profile(frame, event, arg) -> None:
@@ -60,6 +64,7 @@ def trace_calls(fn) -> StepTrace:
             caller = next((f for f in reversed(stack[:-1]) if f is not None), None)
             if caller != rel:
                 visits.append(rel)
+                entries.append((rel, code.co_qualname, caller))
         elif event == "return" and stack:
             stack.pop()
 
@@ -68,7 +73,7 @@ def trace_calls(fn) -> StepTrace:
         fn()
     finally:
         sys.setprofile(None)
-    return StepTrace(list(functions), list(files), visits)
+    return StepTrace(list(functions), list(files), visits, entries)
 
 
 def decode_step_trace(model: str, num_reqs: int) -> StepTrace:
@@ -104,6 +109,9 @@ def main(argv: list[str]) -> int:
     trace = decode_step_trace(args.model, args.num_reqs)
     for i, name in enumerate(trace.functions, start=1):
         print(f"{i:>3} {name}")
+    print("file entries, in order:")
+    for i, (rel, function, caller) in enumerate(trace.entries, start=1):
+        print(f"{i:>3} {rel}:{function}  <- {caller or 'the caller'}")
     returns = len(trace.file_visits) - len(trace.files)
     print(f"{len(trace.functions)} functions in {len(trace.files)} files; "
           f"{len(trace.file_visits)} file entries ({returns} back to a file already left); "

@@ -1,4 +1,5 @@
-"""Which capture backend a device gets: CUDA graphs, compiled CPU graphs, or emulation."""
+"""Which capture backend a device gets: CUDA graphs, compiled CPU graphs, or emulation (each
+a `CaptureBackend`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from typing import Callable
 import torch
 
 from rung.core.graph_mode import CUDAGraphMode
-from rung.graphs.artifact_cache import ArtifactCache
-from rung.graphs.capture import CudaGraphBackend, EmulatedGraphBackend
-from rung.graphs.compiled import CompiledGraphBackend
+from rung.graphs.capture import CaptureBackend, CudaGraphBackend, EmulatedGraphBackend
+from rung.graphs.cpu_compiled.artifact_cache import ArtifactCache
+from rung.graphs.cpu_compiled.capture_backend import CompiledGraphBackend
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ def make_capture_backend(name: str, device: torch.device,
                          poison_hook: Callable[[], None] | None,
                          artifact_cache: ArtifactCache | None = None,
                          compile_threads: int | None = None
-                         ) -> EmulatedGraphBackend | CudaGraphBackend:
+                         ) -> CaptureBackend:
     name = resolve_graph_backend(name, device)
     if name == "cuda":
         if device.type != "cuda":
@@ -51,8 +52,7 @@ def make_capture_backend(name: str, device: torch.device,
 def without_cpu_pieces(mode: CUDAGraphMode) -> CUDAGraphMode:
     """The mode without PIECEWISE graphs, for compiled CPU graphs whose pieces would run
     uncompiled: such a replay is the eager ops plus a copy into static outputs, SLOWER than
-    eager (SmolLM2, 24-token prefill: 1.17x eager's time, ``python -m
-    rung.bench.piecewise_cpu``), and costs a dynamo trace of the whole model (18 s)."""
+    eager (docs/performance.md), and costs a dynamo trace of the whole model."""
     new = CUDAGraphMode.FULL_DECODE_ONLY if mode.has_full() else CUDAGraphMode.NONE
     logger.info("compiled CPU graphs: cudagraph_mode %s runs as %s (PIECEWISE pieces would "
                 "run uncompiled, slower than eager; compilation_config backend='inductor' "

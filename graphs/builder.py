@@ -12,7 +12,7 @@ builds first the size the last batch ran eagerly for want of (``Dispatcher.misse
 else the smallest; while steps run it works at most half the time (its Python takes the
 GIL a step needs), flat out while the engine is idle. That duty cycle is its low priority,
 not a niceness: a niced thread on a loaded machine is descheduled while it holds the GIL,
-and the serving thread waits for it (docs/performance.md: worse worst steps, 8x longer
+and the serving thread waits for it (docs/performance.md: worse worst steps, a longer
 switch-over). Other graphs
 (CUDA, PIECEWISE pieces, a drafter's) are captured by ``advance`` itself: a capture
 writes the runner's input buffers (a pad-only batch), so it never overlaps a step.

@@ -1,11 +1,13 @@
-"""Capture backends with one interface: CUDA graphs, and their CPU emulation."""
+"""The capture-backend interface (`CaptureBackend`) and its two plain backends: CUDA graphs,
+and their CPU emulation. Compiled CPU graphs implement the same interface in
+graphs/cpu_compiled/; the GraphManager never asks which backend it has."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import logging
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -28,6 +30,12 @@ class ForwardOutput(NamedTuple):
 class CapturedGraph:
     """A captured callable. ``replay(inputs)`` returns the static outputs; ``forward`` is a
     target graph's replay as the runner takes it."""
+
+    # what building it cost (compiled CPU graphs; None elsewhere): trace + compile seconds,
+    # seconds to load a built artifact, and the key of its artifact (sizes may share one)
+    compile_s: float | None = None
+    load_s: float | None = None
+    artifact_key: str | None = None
 
     def __init__(self, static_inputs: Sequence[torch.Tensor], outputs: Outputs,
                  nbytes: int) -> None:
@@ -104,6 +112,99 @@ class EmulatedGraph(CapturedGraph):
         return self.outputs
 
 
+class GraphHost(Protocol):
+    """What a capture backend may ask of the GraphManager it captures for."""
+
+    runner: Any                  # the GraphRunner: model, max_num_reqs, dummy_batch
+    symbolic_batch: bool         # compiled CPU graphs: share a symbolic-batch artifact
+    per_layer: bool              # compiled CPU graphs: one artifact per decoder-layer kind
+
+    def full_forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                     *metadata: torch.Tensor) -> torch.Tensor:
+        """The forward a FULL graph captures."""
+
+    def model_forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                      *metadata: torch.Tensor) -> torch.Tensor:
+        """The model's own forward, for a backend that traces it whole."""
+
+    def full_inputs(self, ids: torch.Tensor, positions: torch.Tensor,
+                    ctx: Any) -> list[torch.Tensor]:
+        """A FULL graph's flat inputs: ids, positions, then each KV group's metadata."""
+
+    def named_tensors(self, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every tensor a traced forward may read, by a name stable across processes."""
+
+
+class CaptureBackend(Protocol):
+    """What the GraphManager asks of a capture backend.
+
+    ``name``, ``auto_startup`` (what graph_startup="auto" means), ``serving_thread_captures``
+    (every capture on the serving thread), ``replay_reads_context`` (a FULL replay reads the
+    forward context: it re-runs the forward), ``pool_bytes``, ``kernel_nodes_note``.
+    """
+
+    name: str
+    auto_startup: str
+    serving_thread_captures: bool
+    replay_reads_context: bool
+    pool_bytes: int
+
+    def capture_batch(self) -> contextlib.AbstractContextManager[CaptureBatch]:
+        """The captures of one graph key."""
+
+    def capture(self, fn: Callable[..., Outputs], inputs: Sequence) -> CapturedGraph:
+        """``fn(*inputs)`` as a graph (a PIECEWISE piece, or a FULL graph's forward)."""
+
+    def capture_full(self, host: GraphHost, desc: Any, ctx: Any, inputs: list[torch.Tensor],
+                     scratch: bool = False, pause: Callable[[], None] | None = None
+                     ) -> CapturedGraph:
+        """The target's FULL graph of ``desc`` on ``inputs`` (in ``ctx``, entered);
+        ``scratch``: built off the serving thread, with its throttle ``pause``."""
+
+    def rebind_full(self, host: GraphHost, graph: CapturedGraph, inputs: list[torch.Tensor],
+                    ctx: Any) -> CapturedGraph:
+        """``graph`` (built on a scratch batch) bound to ``inputs``, the serving buffers."""
+
+    def capture_draft(self, host: GraphHost, desc: Any, fn: Callable[..., Outputs],
+                      inputs: Sequence[torch.Tensor], rounds: Any, prefix: str
+                      ) -> CapturedGraph:
+        """A drafter's FULL graph of ``desc``: ``fn(*inputs)``, or built from ``rounds``
+        (one draft round's forward) where the backend compiles one."""
+
+    def is_ready(self, host: GraphHost, key: Any) -> bool:
+        """Whether capturing ``key`` now costs no compile."""
+
+    def prepared(self, host: GraphHost, key: Any) -> bool:
+        """Whether capturing ``key`` now imports nothing on the calling thread."""
+
+
+class PlainFullGraphs:
+    """The FULL-graph half of `CaptureBackend` for backends that capture the forward itself
+    (CUDA graphs and their emulation): nothing to compile, nothing to prepare."""
+
+    replay_reads_context = False
+
+    def capture_full(self, host: GraphHost, desc: Any, ctx: Any, inputs: list[torch.Tensor],
+                     scratch: bool = False, pause: Callable[[], None] | None = None
+                     ) -> CapturedGraph:
+        return self.capture(host.full_forward, inputs)
+
+    def rebind_full(self, host: GraphHost, graph: CapturedGraph, inputs: list[torch.Tensor],
+                    ctx: Any) -> CapturedGraph:
+        return graph.rebind(inputs)
+
+    def capture_draft(self, host: GraphHost, desc: Any, fn: Callable[..., Outputs],
+                      inputs: Sequence[torch.Tensor], rounds: Any, prefix: str
+                      ) -> CapturedGraph:
+        return self.capture(fn, inputs)
+
+    def is_ready(self, host: GraphHost, key: Any) -> bool:
+        return True
+
+    def prepared(self, host: GraphHost, key: Any) -> bool:
+        return True
+
+
 class CaptureBatch:
     """The captures of one graph key (a FULL graph, or every piece of a PIECEWISE size):
     ``nbytes``, what they added to the CUDA graph pool, set at its end (None on CPU)."""
@@ -111,9 +212,13 @@ class CaptureBatch:
     nbytes: int | None = None
 
 
-class EmulatedGraphBackend:
+class EmulatedGraphBackend(PlainFullGraphs):
     """CPU twin of CUDA graphs: same rules (static inputs checked for identity, outputs in
-    static buffers), and an optional poison hook run before every replay."""
+    static buffers), and an optional poison hook run before every replay.
+
+    NOTE: a replay re-runs the forward, which reads the forward context."""
+
+    replay_reads_context = True
 
     name = "emulated"
     # start-up policy (read by GraphStartup and GraphManager; a test may force CUDA's):
@@ -209,7 +314,7 @@ def pool_bytes(segments: Sequence[dict], pool: tuple[int, int]) -> int:
                if tuple(seg.get("segment_pool_id", ())) == tuple(pool))
 
 
-class CudaGraphBackend:
+class CudaGraphBackend(PlainFullGraphs):
     """torch.cuda.CUDAGraph with one memory pool shared by every size (target and draft).
 
     Warm-up and capture run on ONE side stream: library state made lazily per stream

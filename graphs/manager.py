@@ -1,4 +1,5 @@
-"""GraphManager: dispatch, capture every graph on the ladder, replay the right one.
+"""GraphManager: dispatch, capture every graph on the ladder, replay the right one, through
+its capture backend's interface (graphs/capture.py: `CaptureBackend`), whichever it is.
 
 A FULL CPU graph (compiled or emulated) can also be built off the serving thread
 (``build``: loaded or compiled, checked against eager on a scratch capture batch, then
@@ -21,28 +22,16 @@ from rung.core.forward_context import (
     ForwardContext,
     current_descriptor,
     forward_context,
-    get_forward_context,
 )
 from rung.core.graph_mode import CUDAGraphMode
-from rung.graphs.artifact_cache import prepare_inductor
 from rung.graphs.backends import (
     make_capture_backend,
     resolve_graph_backend,
     without_cpu_pieces,
 )
-from rung.graphs.capture import CapturedGraph, CudaGraphBackend, ForwardOutput, Outputs
-from rung.graphs.compiled import (
-    MIN_DYNAMIC_SIZE,
-    CompiledGraph,
-    CompiledGraphBackend,
-    compile_key,
-    symbolic_dims,
-)
-from rung.graphs.compiled_draft import DraftRounds, capture_compiled_draft
-from rung.graphs.compiler import compile_model
+from rung.graphs.capture import CapturedGraph, ForwardOutput, Outputs
 from rung.graphs.dispatcher import Dispatcher, downgrade
-from rung.graphs.layer_artifacts import build_layer_artifacts, layer_specs
-from rung.graphs.layered import LayeredGraph, capture_layers, rebind_layers
+from rung.graphs.piecewise import compile_model
 from rung.kernels.backend import AttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -110,6 +99,10 @@ class GraphManager:
                 and resolve_graph_backend(graph_backend, runner.device) == "compiled"):
             mode = without_cpu_pieces(mode)
         self.dispatcher = Dispatcher(mode, sizes, runner.max_num_reqs, decode_query_len)
+        # a FULL step's descriptor -> the key of the graph it replays: a pure function of
+        # the descriptor (`Dispatcher.graph_key`), kept so a replay asks the dispatcher once
+        # per distinct batch shape (bounded by the ladder's sizes and max_num_seqs)
+        self._replay_keys: dict[BatchExecutionDescriptor, BatchExecutionDescriptor] = {}
         self._poison_gen = torch.Generator().manual_seed(1234)
         self.capture_backend = make_capture_backend(graph_backend, runner.device,
                                                     self._poison_pads if poison else None,
@@ -123,8 +116,7 @@ class GraphManager:
         # NOTE: a CUDA or compiled FULL replay runs captured kernels on the inputs it was
         # captured with and reads no forward context; an emulated one re-runs the forward,
         # and the debug poison hook reads the replay's descriptor from the context
-        self._full_replay_reads_context = poison or not isinstance(
-            self.capture_backend, (CompiledGraphBackend, CudaGraphBackend))
+        self._full_replay_reads_context = poison or self.capture_backend.replay_reads_context
         # (TARGET or a drafter's name, graph key: the capture descriptor) -> FULL graph
         self.full_graphs: dict[tuple[str, BatchExecutionDescriptor], CapturedGraph] = {}
         self.capturing = False
@@ -135,7 +127,6 @@ class GraphManager:
         # compiled CPU graphs of a model with ``decoder_parts()``: one artifact per decoder
         # layer kind, called once per layer (False: the whole forward in one artifact)
         self.per_layer = True
-        self._artifact_keys: dict[BatchExecutionDescriptor, tuple[str, ...]] = {}   # is_ready
         self.records: list[CaptureRecord] = []
         self.trace_seconds = 0.0      # one-time torch.compile tracing, not in any record
         self._traced_at: float | None = None
@@ -204,28 +195,20 @@ class GraphManager:
             raise ValueError(f"build({key.mode.name} key) with {self.capture_backend.name} "
                              "graphs: only FULL CPU graphs are built off the serving thread")
         start = time.perf_counter()
-        compile_s = load_s = artifact = None
         with torch.inference_mode():
             ids, positions, ctx = self.runner.dummy_batch(key, scratch=True)
             with forward_context(ctx):
-                graph = self._full_graph(key, ctx, self._full_inputs(ids, positions, ctx),
-                                         scratch=True, pause=pause)
+                graph = self.capture_backend.capture_full(
+                    self, key, ctx, self.full_inputs(ids, positions, ctx), scratch=True,
+                    pause=pause)
             ids, positions, ctx = self.runner.input_views(key)
-            inputs = self._full_inputs(ids, positions, ctx)
             with forward_context(ctx):
-                if isinstance(graph, LayeredGraph):
-                    graph = rebind_layers(graph, inputs, ctx)
-                elif isinstance(graph, CompiledGraph):
-                    graph = self.capture_backend.rebind(graph, inputs,
-                                                        self._named_tensors(inputs))
-                else:
-                    graph = graph.rebind(inputs)
-        if isinstance(graph, (LayeredGraph, CompiledGraph)):
-            compile_s, load_s, artifact = graph.compile_s, graph.load_s, graph.artifact_key
+                graph = self.capture_backend.rebind_full(
+                    self, graph, self.full_inputs(ids, positions, ctx), ctx)
         record = CaptureRecord(key.mode.name, key.num_tokens_padded, key.num_reqs_padded,
                                time.perf_counter() - start, graph.nbytes,
-                               graph.num_kernel_nodes, compile_s=compile_s, load_s=load_s,
-                               artifact=artifact)
+                               graph.num_kernel_nodes, compile_s=graph.compile_s,
+                               load_s=graph.load_s, artifact=graph.artifact_key)
         return ReadyGraph(key, graph, record)
 
     def go_live(self, ready: ReadyGraph) -> None:
@@ -251,38 +234,12 @@ class GraphManager:
     def is_ready(self, key: BatchExecutionDescriptor) -> bool:
         """Whether capturing ``key`` now costs no compile (always, but for compiled CPU
         graphs whose artifact is neither built in this process nor in the disk cache)."""
-        if key.mode != CUDAGraphMode.FULL or not isinstance(self.capture_backend,
-                                                            CompiledGraphBackend):
-            return True
-        if key not in self._artifact_keys:
-            self._artifact_keys[key] = self._artifact_keys_of(key)
-        return all(map(self.capture_backend.has_artifact, self._artifact_keys[key]))
+        return self.capture_backend.is_ready(self, key)
 
     def prepared(self, key: BatchExecutionDescriptor) -> bool:
-        """Whether capturing ``key`` (``is_ready``) now imports nothing on this thread: a
-        FULL compiled CPU graph whose artifacts load without inductor, anything once
-        inductor is prepared in a thread, started at the first ask (``prepare_inductor``)."""
-        backend = self.capture_backend
-        if not isinstance(backend, CompiledGraphBackend):
-            return True
-        keys = self._artifact_keys.get(key)
-        if keys is not None and all(map(backend.loads_without_inductor, keys)):
-            return True
-        return prepare_inductor().is_set()
-
-    def _artifact_keys_of(self, desc: BatchExecutionDescriptor) -> tuple[str, ...]:
-        """Keys of the artifacts the compiled graph of ``desc`` is built from."""
-        parts = self._decoder_parts()
-        if parts is None:
-            return (self._compiled_spec(desc)[-1],)
-        # NOTE: on the scratch batch: a worker thread asks while steps run
-        ids, positions, ctx = self.runner.dummy_batch(desc, scratch=True)
-        symbolic = self.symbolic_batch and (self._symbolic(desc)
-                                            or self.runner.max_num_reqs >= MIN_DYNAMIC_SIZE)
-        with torch.no_grad():
-            specs = layer_specs(self.capture_backend, parts, ctx, ids, positions,
-                                compile_key(desc, ctx, symbolic), symbolic)
-        return tuple(dict.fromkeys(spec[-1] for spec in specs))
+        """Whether capturing ``key`` (``is_ready``) now imports nothing on this thread
+        (compiled CPU graphs: inductor)."""
+        return self.capture_backend.prepared(self, key)
 
     def _capture(self, desc: BatchExecutionDescriptor) -> CaptureRecord:
         start = time.perf_counter()
@@ -299,10 +256,9 @@ class GraphManager:
                     self.capturing = False
                 nbytes, nodes = self._piece_bytes, self._piece_nodes
             else:
-                graph = self._full_graph(desc, ctx, self._full_inputs(ids, positions, ctx))
-                if isinstance(self.capture_backend, CompiledGraphBackend):
-                    compiled_s, load_s = graph.compile_s, graph.load_s
-                    artifact = graph.artifact_key
+                graph = self.capture_backend.capture_full(
+                    self, desc, ctx, self.full_inputs(ids, positions, ctx))
+                compiled_s, load_s, artifact = graph.compile_s, graph.load_s, graph.artifact_key
                 self.full_graphs[(TARGET, desc)] = graph
                 nbytes, nodes = graph.nbytes, graph.num_kernel_nodes
         if batch.nbytes is not None:          # CUDA: what the key's captures added
@@ -315,81 +271,6 @@ class GraphManager:
         return CaptureRecord(desc.mode.name, desc.num_tokens_padded, desc.num_reqs_padded,
                              time.perf_counter() - start, nbytes, nodes,
                              compile_s=compiled_s, load_s=load_s, artifact=artifact)
-
-    def _full_graph(self, desc: BatchExecutionDescriptor, ctx: ForwardContext,
-                    inputs: list[torch.Tensor], scratch: bool = False,
-                    pause: Callable[[], None] | None = None) -> CapturedGraph:
-        """The FULL graph of ``desc`` on ``inputs`` (in ``ctx``, entered); ``scratch``:
-        built off the serving thread (``build``, with its ``pause``)."""
-        if isinstance(self.capture_backend, CompiledGraphBackend):
-            return self._capture_compiled(desc, ctx, inputs, scratch, pause)
-        return self.capture_backend.capture(self._full_forward, inputs)
-
-    def _capture_compiled(self, desc: BatchExecutionDescriptor, ctx: ForwardContext,
-                          inputs: list[torch.Tensor], scratch: bool = False,
-                          pause: Callable[[], None] | None = None) -> CapturedGraph:
-        parts = self._decoder_parts()
-        if parts is None:
-            return self.capture_backend.capture_model(
-                self._model_forward, inputs, *self._compiled_spec(desc, ctx, inputs))
-        built_s = 0.0 if self._symbolic(desc) else self._symbolic_from_two_rows(desc, scratch)
-        symbolic = built_s is not None
-        for batch in dict.fromkeys((symbolic, False)):
-            graph = capture_layers(self.capture_backend, inputs, parts,
-                                   ctx, compile_key(desc, ctx, batch), batch,
-                                   off_thread=scratch, pause=pause)
-            if graph is not None:
-                if built_s:            # compiled on two rows just now: this graph's cost
-                    graph.compile_s = built_s + (graph.compile_s or graph.load_s or 0.0)
-                    graph.load_s = None
-                return graph
-        raise RuntimeError(f"no per-layer compiled graph of {desc.num_tokens_padded} tokens "
-                           "reproduces eager; compilation_config={'per_layer_graphs': "
-                           "False} compiles the whole forward instead")
-
-    def _symbolic_from_two_rows(self, desc: BatchExecutionDescriptor,
-                                scratch: bool = False) -> float | None:
-        """A one-row graph binds the symbolic per-layer artifacts (one compile for every
-        size; before rope, norm and head joined the artifacts its replay cost 1.11x the
-        whole forward's thread CPU time vs a static one's 1.04x, after it whole decode steps
-        0.998x at one request, CPU time 1.032x), built first on a capture batch of two rows
-        if need be (a trace of one row would specialise the batch dimension): the seconds
-        that compile took. None when the batch is never two rows: a static artifact then."""
-        if not self.symbolic_batch or self.runner.max_num_reqs < MIN_DYNAMIC_SIZE:
-            return None
-        compile_s = 0.0
-        if not self.is_ready(desc):
-            rows = dataclasses.replace(desc, num_reqs_padded=MIN_DYNAMIC_SIZE,
-                                       num_tokens_padded=MIN_DYNAMIC_SIZE * desc.num_tokens_padded
-                                       // desc.num_reqs_padded)
-            ids, positions, ctx = self.runner.dummy_batch(rows, scratch)
-            with forward_context(ctx):
-                specs = layer_specs(self.capture_backend, self._decoder_parts(), ctx, ids,
-                                    positions, compile_key(rows, ctx, True), True)
-                compile_s = build_layer_artifacts(self.capture_backend, specs)
-            self.runner.dummy_batch(desc, scratch)   # NOTE: back to the one-row batch's pads
-        return compile_s
-
-    def _decoder_parts(self) -> Any:
-        """The model's forward in pieces, when it has them and graphs are built per layer."""
-        parts = getattr(self.runner.model, "decoder_parts", None)
-        return parts() if parts is not None and self.per_layer else None
-
-    def _symbolic(self, desc: BatchExecutionDescriptor) -> bool:
-        """Whether ``desc``'s compiled graph shares a symbolic-batch artifact."""
-        return self.symbolic_batch and desc.num_reqs_padded >= MIN_DYNAMIC_SIZE
-
-    def _compiled_spec(self, desc: BatchExecutionDescriptor, ctx: ForwardContext | None = None,
-                       inputs: list[torch.Tensor] | None = None) -> tuple:
-        """(named tensors, symbolic dims, graph key, artifact key) of the compiled graph of
-        ``desc``; without ``ctx``, on a capture batch of its own."""
-        if ctx is None:
-            ids, positions, ctx = self.runner.dummy_batch(desc, scratch=True)
-            inputs = self._full_inputs(ids, positions, ctx)
-        named = self._named_tensors(inputs)
-        batch = self._symbolic(desc)
-        dynamic, graph_key = symbolic_dims(named, ctx, batch), compile_key(desc, ctx, batch)
-        return named, dynamic, graph_key, self.capture_backend.key(named, dynamic, graph_key)
 
     def _forward_fn(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         model = self.compiled if self.compiled is not None else self.runner.model
@@ -407,31 +288,25 @@ class GraphManager:
                       fn: Callable[..., Outputs], inputs: Sequence[torch.Tensor],
                       poison: PadPoisoner,
                       progress: Callable[[CaptureRecord], None] | None = None,
-                      rounds: DraftRounds | None = None) -> CaptureRecord:
+                      rounds: Any = None) -> CaptureRecord:
         """Capture ``fn(*inputs)`` as the FULL graph ``name`` of ``desc``'s size (a drafter's
         rounds), in the target's capture backend and memory pool; the caller has entered the
         forward context. ``poison`` garbles the pad rows of the batch ``inputs`` view.
 
-        Compiled CPU graphs build it from ``rounds``' artifact of one round, called once per
-        round (``graphs.compiled_draft``); without ``rounds`` it is emulated there (a replay
-        re-runs ``fn``)."""
+        A backend that compiles builds it from ``rounds`` (one draft round's forward, its
+        artifact called once per round); otherwise, and without ``rounds``, ``fn`` itself
+        is captured."""
         start = time.perf_counter()
         self._poisoners[name] = poison
-        compile_s = load_s = artifact = None
         with torch.inference_mode():
-            if isinstance(self.capture_backend, CompiledGraphBackend) and rounds is not None:
-                symbolic = self.symbolic_batch and self.runner.max_num_reqs >= MIN_DYNAMIC_SIZE
-                graph = capture_compiled_draft(
-                    self.capture_backend, desc, fn, inputs, get_forward_context(),
-                    self._named_tensors([]), rounds, f"{name}.", symbolic)
-                compile_s, load_s, artifact = graph.compile_s, graph.load_s, graph.artifact_key
-            else:
-                graph = self.capture_backend.capture(fn, inputs)
+            graph = self.capture_backend.capture_draft(self, desc, fn, inputs, rounds,
+                                                       f"{name}.")
         self.full_graphs[(name, desc)] = graph
         record = CaptureRecord(f"{name.upper()}_FULL", desc.num_tokens_padded,
                                desc.num_reqs_padded, time.perf_counter() - start,
                                graph.nbytes, graph.num_kernel_nodes, name,
-                               compile_s=compile_s, load_s=load_s, artifact=artifact)
+                               compile_s=graph.compile_s, load_s=graph.load_s,
+                               artifact=graph.artifact_key)
         self.records.append(record)
         if progress is not None:
             progress(record)
@@ -448,7 +323,7 @@ class GraphManager:
         finally:
             self._replaying = TARGET
 
-    def _full_forward(self, ids: torch.Tensor, positions: torch.Tensor,
+    def full_forward(self, ids: torch.Tensor, positions: torch.Tensor,
                       *metadata: torch.Tensor) -> torch.Tensor:
         # NOTE: metadata tensors are passed only so replay checks their identity; the
         # attention ops read them through the forward context.
@@ -456,12 +331,12 @@ class GraphManager:
             return self.compiled(ids, positions)
         return self.runner.model(ids, positions)
 
-    def _model_forward(self, ids: torch.Tensor, positions: torch.Tensor,
+    def model_forward(self, ids: torch.Tensor, positions: torch.Tensor,
                        *metadata: torch.Tensor) -> torch.Tensor:
         """The model's own forward, for backends that trace it whole (compiled CPU graphs)."""
         return self.runner.model(ids, positions)
 
-    def _named_tensors(self, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def named_tensors(self, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every tensor a traced forward may read, by a name stable across processes."""
         named = {f"input.{i}": t for i, t in enumerate(inputs)}
         named.update({f"kv.{n}": t for n, t in getattr(self.runner, "kv_caches", {}).items()})
@@ -471,7 +346,7 @@ class GraphManager:
         return named
 
     @staticmethod
-    def _full_inputs(ids: torch.Tensor, positions: torch.Tensor,
+    def full_inputs(ids: torch.Tensor, positions: torch.Tensor,
                      ctx: ForwardContext) -> list[torch.Tensor]:
         tensors = [ids, positions]
         for common in ctx.commons:          # NOTE: one per KV cache group, in group order
@@ -486,9 +361,12 @@ class GraphManager:
         for what reads it): hidden states, and the logits of hidden[rows] where a FULL
         graph computes them (``CapturedGraph.forward``)."""
         if desc.mode == CUDAGraphMode.FULL:
-            graph = self.full_graphs[(TARGET, self.dispatcher.graph_key(desc))]
+            key = self._replay_keys.get(desc)
+            if key is None:
+                key = self._replay_keys[desc] = self.dispatcher.graph_key(desc)
+            graph = self.full_graphs[(TARGET, key)]
             # NOTE: a target replay: _replaying is TARGET outside a drafter's replay
-            inputs = self._full_inputs(ids, positions, ctx)
+            inputs = self.full_inputs(ids, positions, ctx)
             if not self._full_replay_reads_context:
                 return graph.forward(inputs, rows)
             with forward_context(ctx):

@@ -167,7 +167,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         prepared = await server.preparer.completion(await read_body(raw, config.limits))
         req, prompts, params = prepared.req, prepared.prompts, prepared.params
         stream = await server.submit(prompts, params, "cmpl")
-        tracker = Tracker(server, stream, prompts, params.n)
+        tracker = Tracker(server.metrics, stream, prompts, params.n)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": now(), "model": config.model_name}
         if req.stream:
@@ -193,7 +193,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         prepared = await server.preparer.chat(await read_body(raw, config.limits))
         req, prompt, params = prepared.req, prepared.prompts[0], prepared.params
         stream = await server.submit([prompt], params, "chatcmpl")
-        tracker = Tracker(server, stream, [prompt], params.n)
+        tracker = Tracker(server.metrics, stream, [prompt], params.n)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                 "created": now(), "model": config.model_name}
         num_top = prepared.num_top

@@ -9,16 +9,14 @@ import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 
 from rung.server.engine_loop import EngineError, RequestAborted, RequestStream
+from rung.server.metrics import ServerMetrics
 from rung.server.protocol import chat_logprobs, completion_logprobs, error_body, usage
 from rung.server.tools import ToolPlan, parse
-
-if TYPE_CHECKING:
-    from rung.server.app import _Server
 
 
 class HTTPError(Exception):
@@ -43,8 +41,9 @@ class Choice:
 class Tracker:
     """Counts tokens and latencies of one HTTP request for /metrics and usage."""
 
-    def __init__(self, server: _Server, stream: RequestStream, prompts: list[dict], n: int):
-        self.server = server
+    def __init__(self, metrics: ServerMetrics, stream: RequestStream, prompts: list[dict],
+                 n: int) -> None:
+        self.metrics = metrics
         self.arrival = time.perf_counter()
         self.n = n
         self.prompt_index = {rid: i for i, rid in enumerate(stream.request_ids)}
@@ -52,7 +51,7 @@ class Tracker:
         self.choices = [Choice(i) for i in range(len(prompts) * n)]
         self.prompt_logprobs: dict[int, list] = {}     # prompt index -> vLLM's entries
         self.num_cached: dict[str, int] = {}            # request id -> prefix-cache hit
-        m = server.metrics
+        m = metrics
         m.prompt_tokens.labels(m.model_name).inc(self.num_prompt_tokens)
 
     def choice(self, request_id: str, index: int) -> Choice:
@@ -76,7 +75,7 @@ class Tracker:
     def record(self, choice: Choice, num_new_tokens: int) -> None:
         if not num_new_tokens:
             return
-        m, t = self.server.metrics, time.perf_counter()
+        m, t = self.metrics, time.perf_counter()
         if choice.last_token_time is None:
             m.ttft.labels(m.model_name).observe(t - self.arrival)
         else:
@@ -87,7 +86,7 @@ class Tracker:
 
     def finish(self, choice: Choice, reason: str, stop_reason: Any = None) -> None:
         choice.finish_reason, choice.stop_reason = reason, stop_reason
-        m = self.server.metrics
+        m = self.metrics
         m.finished.labels(m.model_name, reason).inc()
         if reason != "error":
             m.e2e.labels(m.model_name).observe(time.perf_counter() - self.arrival)

@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-import rung.graphs.compiled as compiled_graphs
-from rung.graphs.direct_call import SizeTensors
+import rung.graphs.cpu_compiled.artifacts as compiled_graphs
+from rung.graphs.cpu_compiled.direct_call import SizeTensors
 from rung.models.llama import LlamaDecoderLayer
 from rung.runtime import LLM, SamplingParams
 
@@ -63,7 +63,7 @@ def _compiled_matches_eager(model: str, sizes: list[int], num_prompts: int) -> L
 def test_compiled_full_decode_matches_eager_llama():
     # 1 and 2 decoding requests both replay the size-2 graph (one pad row, then none)
     compiled = _compiled_matches_eager("tiny-llama", [2], num_prompts=2)
-    # every layer is called past inductor's wrappers (graphs.compiled.direct_call)
+    # every layer is called past inductor's wrappers (graphs.cpu_compiled.artifacts.direct_call)
     direct = compiled.engine.runner.graphs.capture_backend.direct_calls
     assert direct and None not in direct.values()
 

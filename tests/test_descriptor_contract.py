@@ -34,7 +34,7 @@ def _decode_step(num_reqs: int, num_groups: int = 2) -> tuple[SchedulerOutput, l
         req.num_computed_tokens = 5
         scheduled.append(ScheduledRequest(req, 1))
         block_ids.append([[10 * i + 2 * g + 1, 10 * i + 2 * g + 2] for g in range(num_groups)])
-    return SchedulerOutput(scheduled, num_reqs, [], []), block_ids
+    return SchedulerOutput(scheduled, num_reqs, [], [], block_ids, [1] * num_reqs, 1), block_ids
 
 
 def test_pad_rows_are_rewritten_after_poison_for_every_group():
@@ -42,10 +42,9 @@ def test_pad_rows_are_rewritten_after_poison_for_every_group():
     batch = _batch()
     batch.poison(np.random.default_rng(0), vocab_size=100, num_blocks=64)
     sched, block_ids = _decode_step(3)
-    batch.prepare(sched, block_ids)
     desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, 3, 8, 3, 8, 1)
-    batch.pad(desc)
-    commons = batch.metadata_views(desc, 1, max_seq_len=32)     # a FULL decode graph's
+    commons = batch.prepare(sched, block_ids, desc, max_model_len=32).commons
+    assert {(m.max_query_len, m.max_seq_len) for m in commons} == {(1, 32)}   # decode graph's
     assert len(commons) == 2
     for group, meta in enumerate(commons):
         validate(meta)
@@ -62,10 +61,9 @@ def test_pad_rows_are_rewritten_after_poison_for_every_group():
 def test_eager_metadata_has_exactly_the_real_rows():
     batch = _batch(num_groups=1)
     sched, block_ids = _decode_step(3, num_groups=1)
-    layout = batch.prepare(sched, block_ids)
     desc = BatchExecutionDescriptor.eager(3, 3, 1)
-    batch.pad(desc)
-    (meta,) = batch.metadata_views(desc, layout.max_query_len, layout.max_seq_len)
+    (meta,) = batch.prepare(sched, block_ids, desc, max_model_len=32).commons
+    assert (meta.max_query_len, meta.max_seq_len) == (1, 6)
     validate(meta)
     assert meta.block_table.shape[0] == meta.seq_lens.shape[0] == 3
 

@@ -239,5 +239,5 @@ def test_special_tokens_in_the_text_follow_the_sampling_params(kwargs, text):
 
     req = Request("r", None, [1], SamplingParams(**kwargs), None, 0, ByteTokenizer())
     req.start()
-    req.commit([ord("H") + 3, 2, ord("I") + 3], 1, _KV(), lambda token: None)
+    req.commit([ord("H") + 3, 2, ord("I") + 3], 1, _KV())
     assert req.detokenizer.text_at(req.num_output_tokens, True) == text

@@ -6,6 +6,7 @@ import pytest
 
 from rung.core.graph_mode import CUDAGraphMode
 from rung.runtime import LLM, SamplingParams
+from rung.runtime.worker import model_runner
 
 # NOTE: fp32 on a GPU too ("auto" is bf16 there): graph and eager tokens are compared
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "max_model_len": 64,
@@ -52,15 +53,14 @@ def test_full_mode_keeps_mixed_graphs_apart_from_uniform_ones():
 def test_decode_replays_read_query_len_one(monkeypatch):
     llm = LLM("tiny-llama", **ENGINE, compilation_config={"cudagraph_mode": "full_decode_only",
                                                           "cudagraph_capture_sizes": [1, 2, 4]})
-    runner, seen = llm.engine.runner, []
-    build = runner.build_metadata
+    seen = []
+    build = model_runner.build_layer_metadata
 
-    def spy(desc, layout, *args):
-        commons, per_layer = build(desc, layout, *args)
-        seen.append((desc.mode, {c.max_query_len for c in commons}))
-        return commons, per_layer
+    def spy(groups, commons, *args):
+        seen.append((commons[0].desc.mode, {c.max_query_len for c in commons}))
+        return build(groups, commons, *args)
 
-    monkeypatch.setattr(runner, "build_metadata", spy)
+    monkeypatch.setattr(model_runner, "build_layer_metadata", spy)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     eager = LLM("tiny-llama", enforce_eager=True, **ENGINE)
     prompts = ["one", "two prompts", "three"]

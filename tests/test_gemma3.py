@@ -52,7 +52,7 @@ def test_verify_passes(capsys):
 def test_compiled_graphs_one_artifact_per_layer_kind(monkeypatch):
     """Compiled CPU graphs of tiny-gemma3 give eager's greedy tokens, its 6 layers served
     by one artifact per layer kind (sliding, full)."""
-    import rung.graphs.compiled as compiled_graphs
+    import rung.graphs.cpu_compiled.artifacts as compiled_graphs
 
     monkeypatch.setattr(compiled_graphs, "INDUCTOR_OPTIONS", {})
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40)]

@@ -62,7 +62,7 @@ COMPILED = {"cudagraph_mode": "full_decode_only", "cudagraph_capture_sizes": [2]
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled_graphs"])
 def test_greedy_tokens_match_hf(hf_reference, enforce_eager, monkeypatch):
-    import rung.graphs.compiled as compiled_graphs
+    import rung.graphs.cpu_compiled.artifacts as compiled_graphs
 
     # NOTE: the Python wrapper compiles faster than the C++ one and computes the same
     monkeypatch.setattr(compiled_graphs, "INDUCTOR_OPTIONS", {})

@@ -6,10 +6,10 @@ import threading
 
 import pytest
 
-import rung.graphs.compiled as compiled_graphs
-from rung.graphs import layered
-from rung.graphs.artifact_cache import ArtifactCache
+import rung.graphs.cpu_compiled.artifacts as compiled_graphs
 from rung.graphs.capture import EmulatedGraphBackend
+from rung.graphs.cpu_compiled import per_layer as layered
+from rung.graphs.cpu_compiled.artifact_cache import ArtifactCache
 from rung.runtime import LLM, SamplingParams
 
 KWARGS = dict(max_num_seqs=4, max_model_len=64, num_gpu_blocks_override=32)

@@ -129,7 +129,11 @@ def test_a_cache_of_another_model_does_not_pass_for_a_warm_one(tmp_path):
     """A blocking start prepares inductor beside the model load unless the cache looks
     warm for THIS model (seconds of its cold compile otherwise): entries of another model,
     torch or machine do not count."""
-    from rung.graphs.artifact_cache import holds_loadable_build, machine_signature, source_hash
+    from rung.graphs.cpu_compiled.artifact_cache import (
+        holds_loadable_build,
+        machine_signature,
+        source_hash,
+    )
 
     def entry(name: str, origin: str, torch_version: str = torch.__version__,
               machine: str = machine_signature()) -> None:

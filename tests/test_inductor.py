@@ -3,7 +3,7 @@
 import pytest
 import torch._inductor.compile_fx as inductor
 
-from rung.graphs.compiler import is_attention_node
+from rung.graphs.piecewise import is_attention_node
 from rung.runtime import LLM, SamplingParams
 
 

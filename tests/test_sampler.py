@@ -32,7 +32,7 @@ def _req(params: SamplingParams, prompt=(1, 2), output=(), arrival: int = 0) -> 
     if output:                       # through its transitions, as the engine does
         req.take_cached_prefix(0)
         req.start()
-        req.commit(list(output), len(prompt), _NoKV(), lambda token: None)
+        req.commit(list(output), len(prompt), _NoKV())
     return req
 
 

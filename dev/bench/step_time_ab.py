@@ -76,25 +76,24 @@ class _PhaseTimer:
     DEVICE = ("model", "logits", "sampler")
 
     def __init__(self, engine) -> None:
-        from rung.runtime.worker import model_runner
+        from rung.runtime.worker import sampler
 
         runner = engine.runner
         self.names = self.HOST + self.DEVICE + ("other_host",)
         self._acc: dict[str, float] = {}
         self._stack: list[list] = []
         self._wrap(engine.scheduler, "schedule", "schedule")
-        self._wrap(runner.input_batch, "prepare", "prepare")
-        self._wrap(runner.input_batch, "pad", "prepare")
-        self._wrap(runner, "build_metadata", "metadata")
+        self._wrap(runner.input_batch, "prepare", "prepare")   # rows, pads, metadata views
+        self._wrap(runner, "forward_args", "metadata")           # every layer's metadata
         self._wrap(runner, "forward", "model")
         self._wrap(runner.model, "compute_logits", "logits")
-        self._wrap(runner, "sampler", "sampler")
-        self._wrap(runner, "_unpack", "unpack")
+        self._wrap(runner.sampler, "sample", "sampler")
+        self._wrap(runner.host_copy, "fetch", "unpack")          # pack, copy, unpack
         self._wrap(engine, "_commit", "commit")
         self._wrap(engine, "_propose", "propose")
         self._wrap(engine, "step", "other_host")
-        build = model_runner.SamplingBatch.build
-        self._wrap(model_runner.SamplingBatch, "build", "sampling_batch", build)
+        build = sampler.SamplingBatch.build
+        self._wrap(sampler.SamplingBatch, "build", "sampling_batch", build)
 
     def _wrap(self, obj, attr: str, phase: str, fn=None) -> None:
         fn = fn if fn is not None else getattr(obj, attr)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
-import functools
 import logging
 from typing import Any, Callable
 
@@ -15,8 +14,8 @@ from rung.graphs.backends import resolve_graph_backend
 from rung.graphs.manager import CaptureRecord
 from rung.runtime.config import EngineConfig
 from rung.runtime.dist.data_parallel import DataParallelGroup, DPStep, init_data_parallel
-from rung.runtime.engine.data_parallel import EngineDataParallel
-from rung.runtime.engine.output_processor import OutputProcessor
+from rung.runtime.engine.dp_sync import EngineDataParallel
+from rung.runtime.engine.output_processor import make_output
 from rung.runtime.engine.parallel_sampling import ParallelSampling, ParentRequest
 from rung.runtime.engine.processor import InputProcessor, Prompt
 from rung.runtime.engine.startup import GraphStartup, load_target, log_setup, make_proposer
@@ -32,7 +31,8 @@ from rung.runtime.spec.proposer import SpecStats
 from rung.runtime.structured import GrammarCompiler
 from rung.runtime.thread_policy import apply_thread_policy
 from rung.runtime.worker.kernel_warmup import sweep_attention_shapes
-from rung.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
+from rung.runtime.worker.model_runner import ModelRunner
+from rung.runtime.worker.step_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,6 @@ class LLMEngine:
         self.inputs = InputProcessor(config.model, self.tokenizer, self.loaded.config,
                                      self.loaded.generation_stop_ids, self.runner.vocab_size,
                                      self.max_model_len)
-        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self._parallel = ParallelSampling()
         self._requeued: list[RequestOutput] = []     # returned first by the next step()
         # structured outputs: requests held out of the scheduler until their grammar compiles
@@ -120,7 +119,7 @@ class LLMEngine:
                     for i, cid in enumerate(parent.child_ids)])
         # NOTE: every sample is built (seeded) before any is queued: all or none
         reqs = [Request(rid, got.prompt, got.token_ids, sample_params, got.eos_token_id,
-                        self._arrivals + i, self.tokenizer)
+                        self._arrivals + i, self.tokenizer, self.max_model_len)
                 for i, (rid, sample_params) in enumerate(samples)]
         if parent is not None:
             self._parallel.add(parent)
@@ -130,7 +129,7 @@ class LLMEngine:
             if spec is None:
                 self.scheduler.add_request(req)
             else:
-                req.grammar = self.grammars.request_grammar(spec)
+                req.constrain(self.grammars.request_grammar(spec))
                 self._compiling.append(req)
 
     def abort_request(self, request_id: RequestId) -> None:
@@ -256,18 +255,14 @@ class LLMEngine:
             if s.num_spec_tokens and new:
                 self.spec_stats.record(s.num_spec_tokens, num_accepted)
             if req.request_id in result.prompt_logprobs:
-                self.outputs.add_prompt_logprobs(req, *result.prompt_logprobs[req.request_id])
+                req.add_prompt_logprobs(*result.prompt_logprobs[req.request_id])
             num_computed = s.num_new_tokens - s.num_spec_tokens + num_accepted
             num_kept, reason = req.commit(new, num_computed, self.kv,
-                                          functools.partial(self.outputs.stop_reason, req))
+                                          result.logprobs.get(req.request_id))
             self.num_generated_tokens += num_kept
             if not new:
                 continue
-            logprobs = result.logprobs.get(req.request_id)
-            if logprobs is not None:
-                self.outputs.record_logprobs(req, new[:num_kept], logprobs)
-            out = (self._finish(req, reason) if reason is not None
-                   else self.outputs.make_output(req))
+            out = self._finish(req, reason) if reason is not None else make_output(req)
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -290,12 +285,11 @@ class LLMEngine:
             req.set_drafts(req_drafts[:max(room, 0)])
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
-        req.error = error
         if req in self._compiling:
             self._compiling.remove(req)
-        self.scheduler.finish(req, reason)
+        self.scheduler.finish(req, reason, error)
         self._stats.counts[f"finished_{req.finish_reason}"] += 1
-        out = self.outputs.make_output(req)
+        out = make_output(req)
         del self.requests[req.request_id]
         return out
 

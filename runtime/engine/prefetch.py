@@ -1,7 +1,7 @@
 """The background compile of compiled CPU graphs: ``start_prefetch`` runs
-``python -m rung.runtime.engine.prefetch --prefetch CONFIG`` in a subprocess that builds the
-same engine with a minimal KV cache and compiles its graphs into the disk cache, where the
-serving engine's GraphBuilder finds and binds them.
+``python -m rung.runtime.engine.prefetch_worker --prefetch CONFIG`` in a subprocess that
+builds the same engine with a minimal KV cache and compiles its graphs into the disk cache,
+where the serving engine's GraphBuilder finds and binds them.
 
 One compile per cache at a time: the subprocess holds a lock file in the cache folder
 while it builds (a second one waits for it, then finds the artifacts built). A one-shot
@@ -11,12 +11,9 @@ ladder, at most PREFETCH_MAX_S) and the next run starts on graphs.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import fcntl
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import tempfile
@@ -43,7 +40,8 @@ class SubprocessPrefetch:
         # command that started it does not reach it (``detach``).
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rung.runtime.engine.prefetch", "--prefetch", self._config_path,
+            [sys.executable, "-m", "rung.runtime.engine.prefetch_worker", "--prefetch",
+             self._config_path,
              "--lock", str(Path(lock_dir) / LOCK_NAME)],
             stdout=subprocess.DEVNULL, stderr=self._log, env=env, start_new_session=True,
             preexec_fn=(lambda: os.nice(10)) if hasattr(os, "nice") else None)
@@ -86,26 +84,3 @@ def start_prefetch(config: Any, max_model_len: int, compile_threads: int, cache_
                                 num_gpu_blocks_override=_PREFETCH_KV_BLOCKS,
                                 debug_padding=False, enforce_eager=False)
     return SubprocessPrefetch(build, cache_dir)
-
-
-def _prefetch_main(config_path: str, lock_path: str) -> int:
-    signal.alarm(PREFETCH_MAX_S)            # NOTE: bounded, detached or not
-    with open(config_path, "rb") as f:
-        config = pickle.load(f)
-    os.unlink(config_path)                  # NOTE: read: a detached compile leaves none
-    Path(lock_path).parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as lock:
-        # NOTE: waits for another compile of this cache; then finds its artifacts built
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        from rung.runtime.engine import LLMEngine
-
-        LLMEngine(config)
-    return 0
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="compile an engine's graphs into the cache")
-    parser.add_argument("--prefetch", required=True, help="pickled EngineConfig")
-    parser.add_argument("--lock", required=True, help="lock file: one compile per cache")
-    args = parser.parse_args()
-    sys.exit(_prefetch_main(args.prefetch, args.lock))

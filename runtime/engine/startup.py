@@ -12,14 +12,14 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from rung.graphs.artifact_cache import (
+from rung.graphs.backends import resolve_graph_backend
+from rung.graphs.builder import GraphBuilder
+from rung.graphs.cpu_compiled.artifact_cache import (
     ArtifactCache,
     default_cache_dir,
     holds_loadable_build,
     prepare_inductor,
 )
-from rung.graphs.backends import resolve_graph_backend
-from rung.graphs.builder import GraphBuilder
 from rung.graphs.ladder import capture_sizes
 from rung.graphs.manager import TARGET, CaptureRecord, GraphManager
 from rung.kernels.batch_invariant import make_batch_invariant
@@ -39,7 +39,7 @@ def load_target(config: EngineConfig) -> tuple[LoadedModel, int]:
     """The model to serve and its max_model_len (ValueError for a drafter or a length
     above the model's own)."""
     # NOTE: a blocking start that will compile prepares inductor while the model loads (its
-    # imports, vector-ISA pick and torch_key: ~5 s of SmolLM2's cold compile otherwise); a
+    # imports, vector-ISA pick and torch_key: a large share of a cold compile otherwise); a
     # warm one loads every artifact as its wrapper library, without inductor, and a thread
     # importing it beside the load would only fight the main thread for the GIL. A
     # background start prepares it once an artifact is built (GraphBuilder).
@@ -169,7 +169,7 @@ class GraphStartup:
         prefetch = None
         # NOTE: no subprocess when the disk cache holds every artifact already (a warm
         # start): it would build a whole engine beside the serving one to compile nothing.
-        # The first size missing one ends the look (a cold start pays one key, ~30 ms).
+        # The first size missing one ends the look (a cold start pays one key).
         if startup == "background" and getattr(graphs.capture_backend, "cache", None) is not None \
                 and not all(map(graphs.is_ready, graphs.dispatcher.capture_descriptors())):
             prefetch = start_prefetch(config, max_model_len, graphs.capture_backend.threads,

@@ -188,13 +188,8 @@ class KVCacheManager:
         return num_hit * self.block_size
 
     def _block_hashes(self, req, num_blocks: int) -> list[bytes]:
-        """Hashes of the request's first ``num_blocks`` blocks (kept on the request: its
-        tokens never change, preemption included)."""
-        hashes, bs = req.block_hashes, self.block_size
-        for i in range(len(hashes), num_blocks):
-            hashes.append(hash_block(hashes[-1] if hashes else None,
-                                     req.token_ids[i * bs:(i + 1) * bs]))
-        return hashes[:num_blocks]
+        """Hashes of the request's first ``num_blocks`` blocks (kept on the request)."""
+        return req.hash_blocks(num_blocks, self.block_size, hash_block)
 
     def _num_hit_blocks(self, hashes: list[bytes]) -> int:
         """Longest hit length that every group can serve. A full-attention group serves

@@ -6,19 +6,22 @@ WAITING ──start──► RUNNING ──commit(tokens, num_computed)──►
    └──────preempt──────────┘  (PREEMPTED waits at the front of the queue, as WAITING)
 ```
 
-NOTE: ``token_ids``, ``num_computed_tokens``, ``spec_token_ids`` and ``status`` change only
-through these methods (tests/test_request_state.py holds runtime/ to it). ``commit`` puts
-a step's tokens in BEFORE it counts them computed and lets the KV cache hash the blocks now
-full, so a block is only ever hashed over its full, verified tokens.
+NOTE: every field of a Request, its outputs included (logprobs, stop reason, what a stream
+has sent, the error), changes only through these methods; the rest are fixed at
+construction (tests/test_request_state.py holds the whole library to it, field by field).
+``commit`` puts a step's tokens in BEFORE it counts them computed and lets the KV cache hash
+the blocks now full, so a block is only ever hashed over its full, verified tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 from typing import TYPE_CHECKING, Callable
 
-from rung.runtime.detokenizer import IncrementalDetokenizer
+from rung.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
+from rung.runtime.outputs import Logprob
 from rung.runtime.request_ids import RequestId
 from rung.runtime.sampling_params import SamplingParams
 
@@ -35,9 +38,19 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
+    # NOTE: slotted: every field is declared here, and the step's reads of them are a
+    # slot's, not a dict lookup's
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "num_prompt_tokens", "params",
+                 "processes_logits", "argmax_only", "eos_token_id", "arrival", "max_model_len",
+                 "token_ids", "num_tokens", "num_output_tokens", "num_computed_tokens",
+                 "spec_token_ids", "block_hashes", "status", "is_finished", "finish_reason",
+                 "stop_reason", "error", "decode_token", "detokenizer", "num_sent_tokens",
+                 "num_sent_chars", "logprobs", "cumulative_logprob", "prompt_logprobs",
+                 "num_preemptions", "num_cached_tokens", "grammar")
+
     def __init__(self, request_id: RequestId, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, eos_token_id: int | None, arrival: int,
-                 tokenizer=None) -> None:
+                 tokenizer=None, max_model_len: int | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -50,6 +63,7 @@ class Request:
         self.argmax_only = params.greedy and not self.processes_logits
         self.eos_token_id = eos_token_id
         self.arrival = arrival
+        self.max_model_len = max_model_len  # a length limit of its own (None: none)
         self.token_ids: list[int] = list(prompt_token_ids)   # prompt + output
         # NOTE: counts of token_ids, plain attributes the step reads per token; kept equal
         # to it by commit, token_ids' one writer
@@ -65,6 +79,7 @@ class Request:
         self.error: str | None = None       # why it finished with "error"
         # the output text, grown as tokens arrive (None without a tokenizer)
         decode = tokenizer.decode if tokenizer is not None else None
+        self.decode_token = decode          # a logprob entry's decoded_token (None: none)
         if decode is not None and not (params.skip_special_tokens
                                        and params.spaces_between_special_tokens):
             decode = functools.partial(
@@ -78,6 +93,9 @@ class Request:
         self.num_sent_chars = 0             # output_kind DELTA: text already sent
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        # vLLM's prompt_logprobs: None for the first prompt token, then one dict per token
+        self.prompt_logprobs: list[dict | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
         self.num_preemptions = 0
         self.num_cached_tokens: int | None = None   # prefix-cache hit at first admission
         # structured outputs: the matcher, set by the engine (None: unconstrained)
@@ -105,11 +123,12 @@ class Request:
         self.status = RequestStatus.RUNNING
 
     def commit(self, tokens: list[int], num_computed: int, kv: KVCacheManager,
-               stop_reason: Callable[[int], str | None]) -> tuple[int, str | None]:
+               logprobs: list[dict[int, Logprob]] | None = None) -> tuple[int, str | None]:
         """A step's result: the KV of ``num_computed`` more tokens is written and verified
         (rejected drafts are not counted: the next step overwrites their slots), and
-        ``tokens`` (accepted drafts, then the sampled token) go in one at a time until
-        ``stop_reason(token)``, asked once each is in, ends the request. The drafts are
+        ``tokens`` (accepted drafts, then the sampled token) go in one at a time until one
+        ends the request (`_stop_reason`, asked once each is in), with its entry of
+        ``logprobs`` (one per token) when the request asked for them. The drafts are
         consumed. Then ``kv`` hashes the blocks now full and frees those out of the window.
         Returns how many of ``tokens`` went in, and why the request ends (None: it runs on).
         """
@@ -120,8 +139,11 @@ class Request:
             self.token_ids.append(token)
             self.num_tokens += 1
             self.num_output_tokens += 1
+            if logprobs is not None and self.logprobs is not None:
+                self.logprobs.append(self._decoded(logprobs[num_kept]))
+                self.cumulative_logprob += logprobs[num_kept][token].logprob
             num_kept += 1
-            reason = stop_reason(token)
+            reason = self._stop_reason(token)
             if self.grammar is not None and self.grammar.accept(token) and reason is None:
                 reason = "stop"                  # the grammar has ended
             if reason is not None:
@@ -137,6 +159,73 @@ class Request:
         if self.num_computed_tokens >= kv.advance_at.get(self.request_id, 0):
             kv.advance(self)
         return num_kept, reason
+
+    def _stop_reason(self, token: int) -> str | None:
+        """Why ``token`` (just appended) ends the request, or None. A stop token or string
+        wins over a length limit the same token reaches; a stop token or string is kept as
+        ``stop_reason``."""
+        p = self.params
+        n_out = self.num_output_tokens
+        if n_out >= p.min_tokens:
+            if token == self.eos_token_id and not p.ignore_eos:
+                return "stop"
+            if token in p.stop_token_ids:
+                self.stop_reason = token
+                return "stop"
+        if p.stop and self._hits_stop_string():
+            return "stop"
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return "length"
+        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _hits_stop_string(self) -> bool:
+        """Whether the text the last token added completes a stop string; if so, the text
+        is cut where it ends. Costs one short decode, not a decode of the whole output."""
+        p, detok = self.params, self.detokenizer
+        num_new_chars = detok.update(self.num_output_tokens)
+        if self.num_output_tokens < p.min_tokens:
+            return False
+        hit = find_stop_string(detok.text, num_new_chars, p.stop, p.include_stop_str_in_output)
+        if hit is None:
+            return False
+        self.stop_reason, text_end = hit
+        detok.truncate(text_end)
+        return True
+
+    def add_prompt_logprobs(self, first: int, logprobs: list[dict[int, Logprob]]) -> None:
+        """Prompt logprob entries from prompt position ``first`` on; a recomputed prefix
+        (preemption) adds nothing new."""
+        for position, entry in enumerate(logprobs, start=first):
+            if position == len(self.prompt_logprobs):
+                self.prompt_logprobs.append(self._decoded(entry))
+
+    def _decoded(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
+        if self.decode_token is None:
+            return entry
+        return {t: dataclasses.replace(lp, decoded_token=self.decode_token([t]))
+                for t, lp in entry.items()}
+
+    def mark_sent(self, num_tokens: int, num_chars: int) -> None:
+        """A DELTA stream has sent the first ``num_tokens`` output ids and ``num_chars``
+        characters of the text."""
+        self.num_sent_tokens, self.num_sent_chars = num_tokens, num_chars
+
+    def hash_blocks(self, num_blocks: int, block_size: int,
+                    hash_block: Callable[[bytes | None, list[int]], bytes]) -> list[bytes]:
+        """The chained hashes of its first ``num_blocks`` full blocks, each computed once
+        (its tokens never change, preemption included)."""
+        for i in range(len(self.block_hashes), num_blocks):
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(
+                hash_block(parent, self.token_ids[i * block_size:(i + 1) * block_size]))
+        return self.block_hashes[:num_blocks]
+
+    def constrain(self, grammar: RequestGrammar) -> None:
+        """Waiting: its tokens follow ``grammar`` (structured outputs)."""
+        self._require(RequestStatus.WAITING)
+        self.grammar = grammar
 
     def set_drafts(self, drafts: list[int]) -> None:
         """Drafts to verify next step (the caller keeps them within max_model_len)."""
@@ -156,12 +245,14 @@ class Request:
         self.spec_token_ids = []
         self.num_preemptions += 1
 
-    def finish(self, reason: str) -> None:
-        """-> finished (its blocks were freed). A reason set earlier is kept."""
+    def finish(self, reason: str, error: str | None = None) -> None:
+        """-> finished (its blocks were freed); ``error``: why, for reason "error". A reason
+        set earlier is kept."""
         self.status = RequestStatus.FINISHED
         self.is_finished = True
         self.spec_token_ids = []
         self.finish_reason = self.finish_reason or reason
+        self.error = error
 
     def _require(self, *allowed: RequestStatus) -> None:
         if self.status not in allowed:

@@ -31,6 +31,10 @@ class SchedulerOutput:
     errored: list[Request]
     # block_ids[i][g]: scheduled request i's KV blocks in group g (the KV manager's lists)
     block_ids: list[list[list[int]]] = dataclasses.field(default_factory=list)
+    # per scheduled request: its num_new_tokens (drafts included), in order
+    num_new_tokens: list[int] = dataclasses.field(default_factory=list)
+    # the query length every scheduled request shares (decode: 1, or 1 + k), else None
+    uniform_query_len: int | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -96,7 +100,13 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, len(req.spec_token_ids)))
             budget -= num_new
-        out.num_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        counts = out.num_new_tokens = [s.num_new_tokens for s in out.scheduled]
+        out.num_tokens = sum(counts)
+        # NOTE: n counts of at least 1 summing to n are all 1 (a decode step); else all at
+        # most the first and summing to n times it are all equal to it
+        if out.num_tokens == len(counts) or (counts and out.num_tokens == len(counts) * counts[0]
+                                             and max(counts) == counts[0]):
+            out.uniform_query_len = counts[0] if counts else None
         req_blocks = self.kv.req_blocks
         out.block_ids = [req_blocks[s.request.request_id] for s in out.scheduled]
         return out
@@ -145,10 +155,10 @@ class Scheduler:
         req.preempt()
         self.waiting.appendleft(req)
 
-    def finish(self, req: Request, reason: str) -> None:
+    def finish(self, req: Request, reason: str, error: str | None = None) -> None:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req.request_id)
-        req.finish(reason)
+        req.finish(reason, error)

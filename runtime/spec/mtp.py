@@ -24,7 +24,7 @@ from rung.core.attention_metadata import PAD_SLOT_ID
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.forward_context import ForwardContext, forward_context
 from rung.core.graph_mode import CUDAGraphMode, GraphSupport
-from rung.graphs.compiled_draft import DraftRounds
+from rung.graphs.cpu_compiled.draft_rounds import DraftRounds
 from rung.graphs.dispatcher import Dispatcher
 from rung.graphs.ladder import draft_capture_sizes
 from rung.graphs.manager import CaptureRecord, GraphManager
@@ -36,12 +36,8 @@ from rung.runtime.sched.scheduler import ScheduledRequest, SchedulerOutput
 from rung.runtime.spec.proposer import Proposer, check_draft_rows
 from rung.runtime.worker.attention_groups import build_attention_groups, build_layer_metadata
 from rung.runtime.worker.input_batch import PaddedBatch
-from rung.runtime.worker.model_runner import (
-    ModelRunner,
-    ModelRunnerOutput,
-    SampledOnDevice,
-    find_attention_layers,
-)
+from rung.runtime.worker.model_runner import ModelRunner, SampledOnDevice, find_attention_layers
+from rung.runtime.worker.step_output import ModelRunnerOutput
 
 _DRAFT = "draft"           # the drafter's graphs in the graph manager (records: DRAFT_FULL)
 

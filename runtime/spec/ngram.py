@@ -11,7 +11,7 @@ from rung.runtime.sched.request import Request
 from rung.runtime.spec.proposer import Proposer, check_draft_rows
 
 if TYPE_CHECKING:
-    from rung.runtime.worker.model_runner import ModelRunnerOutput
+    from rung.runtime.worker.step_output import ModelRunnerOutput
 
 
 class NgramProposer(Proposer):

@@ -10,7 +10,7 @@ from rung.runtime.sched.request import Request
 
 if TYPE_CHECKING:
     from rung.graphs.manager import CaptureRecord, GraphManager
-    from rung.runtime.worker.model_runner import ModelRunnerOutput
+    from rung.runtime.worker.step_output import ModelRunnerOutput
 
 
 @dataclasses.dataclass

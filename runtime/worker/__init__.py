@@ -1,1 +1,2 @@
-"""rung.runtime.worker: model runner, input batch, attention groups, samplers."""
+"""rung.runtime.worker: model runner, input batch, attention groups, samplers, the step's
+one host copy."""

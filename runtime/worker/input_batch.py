@@ -1,4 +1,6 @@
-"""Persistent input buffers, allocated once at the maximum size, sliced by descriptors."""
+"""Persistent input buffers, allocated once at the maximum size, sliced by descriptors: a
+step's real rows written from the scheduler output, the contract's pad values, and the
+padded inputs and attention metadata a forward reads (`StepInputs`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 
 from rung.core.attention_metadata import PAD_SLOT_ID, CommonAttentionMetadata
 from rung.core.descriptor import BatchExecutionDescriptor
+from rung.core.graph_mode import CUDAGraphMode
 from rung.runtime.sched.kv_cache_manager import NULL_BLOCK
 from rung.runtime.sched.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -20,11 +23,22 @@ class BatchLayout:
 
     num_reqs: int
     num_tokens: int
-    uniform_query_len: int | None
     max_query_len: int
     max_seq_len: int
     logits_indices: np.ndarray   # [num_logits] int64: token rows whose logits are sampled
     num_logits_per_req: list[int]  # 0 (prefill chunk), 1, or 1 + num_spec_tokens
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """The padded batch as a forward reads it: views of the input buffers, sliced by the
+    step's descriptor, valid until the next step writes them."""
+
+    layout: BatchLayout
+    input_ids: torch.Tensor        # [num_tokens_padded] int64, 0 on pads
+    positions: torch.Tensor        # [num_tokens_padded] int64, 0 on pads
+    commons: list[CommonAttentionMetadata]   # one per KV cache group
+    logits_indices: torch.Tensor   # [num_logits] int64 on the device: rows sampled
 
 
 class HostCopyFence:
@@ -102,6 +116,7 @@ class PaddedBatch:
         self.decode_query_len = decode_query_len     # 1, or 1 + k under spec decode
         self.max_num_tokens = max_num_tokens
         self.block_size = block_size
+        self.device = device
         self.copy_fence = HostCopyFence(device)      # shared: one event per step
         # False: host and device buffers are one memory (no copy, no fence to wait on)
         self.on_device = device.type != "cpu"
@@ -175,6 +190,24 @@ class PaddedBatch:
             bt.sync(n_pad)
             sm.sync(t_pad)
 
+    def inputs(self, desc: BatchExecutionDescriptor, layout: BatchLayout,
+               max_model_len: int) -> StepInputs:
+        """The padded batch of ``desc`` (written and padded) as its forward reads it.
+
+        NOTE: a FULL graph replays for every later batch of its size: its kernels read up
+        to max_model_len keys, and size their query tiles (FA picks its decode path) by
+        1 or 1 + k per request for a uniform decode / verify graph, else by all tokens.
+        """
+        lens = (layout.max_query_len, layout.max_seq_len)
+        if desc.mode == CUDAGraphMode.FULL:
+            q = self.decode_query_len
+            lens = (q if desc.uniform_query_len == q else desc.num_tokens_padded,
+                    max_model_len)
+        t_pad = desc.num_tokens_padded
+        rows = torch.from_numpy(layout.logits_indices).to(self.device, non_blocking=True)
+        return StepInputs(layout, self.input_ids.gpu[:t_pad], self.positions.gpu[:t_pad],
+                          self.metadata_views(desc, *lens), rows)
+
     def metadata_views(self, desc: BatchExecutionDescriptor, max_query_len: int,
                        max_seq_len: int) -> list[CommonAttentionMetadata]:
         """One CommonAttentionMetadata per KV cache group, views sliced by ``desc``."""
@@ -212,7 +245,16 @@ class InputBatch(PaddedBatch):
                                          f"{row[:len(blocks) + 1].tolist()}..., its request "
                                          f"owns {blocks}")
 
-    def prepare(self, sched: SchedulerOutput, block_ids: list[list[list[int]]]) -> BatchLayout:
+    def prepare(self, sched: SchedulerOutput, block_ids: list[list[list[int]]],
+                desc: BatchExecutionDescriptor, max_model_len: int) -> StepInputs:
+        """The step's inputs in one call: write the real rows of ``sched``
+        (``block_ids[i][g]``: request i's blocks in group g), pad them to ``desc`` (its
+        dispatched descriptor), hand back what its forward reads."""
+        layout = self.write(sched, block_ids)
+        self.pad(desc)
+        return self.inputs(desc, layout, max_model_len)
+
+    def write(self, sched: SchedulerOutput, block_ids: list[list[list[int]]]) -> BatchLayout:
         """Write the real rows. ``block_ids[i][g]``: request i's blocks in group g."""
         num_reqs, num_tokens = len(sched.scheduled), sched.num_tokens
         if num_reqs > self.max_num_reqs or num_tokens > self.max_num_tokens:
@@ -220,7 +262,7 @@ class InputBatch(PaddedBatch):
                                f"buffers {self.max_num_reqs} / {self.max_num_tokens}")
         if self.on_device:              # NOTE: once: every write below is after it
             self.copy_fence.wait()
-        counts = np.array([s.num_new_tokens for s in sched.scheduled], dtype=np.int64)
+        counts = np.array(sched.num_new_tokens, dtype=np.int64)
         starts = np.array([s.request.num_computed_tokens for s in sched.scheduled],
                           dtype=np.int64)
         qsl = self.query_start_loc.host
@@ -279,7 +321,7 @@ class InputBatch(PaddedBatch):
     @staticmethod
     def prepare_empty_layout() -> BatchLayout:
         """The layout of a batch of no real request, writing no buffer."""
-        return BatchLayout(0, 0, None, 0, 0, np.zeros(0, np.int64), [])
+        return BatchLayout(0, 0, 0, 0, np.zeros(0, np.int64), [])
 
     def _layout(self, sched: SchedulerOutput, counts: np.ndarray, qsl: np.ndarray) -> BatchLayout:
         num_reqs = len(sched.scheduled)
@@ -294,8 +336,7 @@ class InputBatch(PaddedBatch):
             within = np.arange(int(per_req.sum())) - np.repeat(np.cumsum(per_req) - per_req,
                                                                 per_req)
             logits_indices = first + within                          # [num_logits]
-        uniform = int(counts[0]) if num_reqs and bool((counts == counts[0]).all()) else None
-        return BatchLayout(num_reqs, sched.num_tokens, uniform, int(counts.max(initial=0)),
+        return BatchLayout(num_reqs, sched.num_tokens, int(counts.max(initial=0)),
                            int(self.seq_lens.host[:num_reqs].max(initial=0)), logits_indices,
                            num_logits)
 

@@ -1,4 +1,5 @@
-"""ModelRunner: scheduler output -> descriptor -> metadata -> forward -> sampled tokens."""
+"""ModelRunner: scheduler output -> descriptor -> padded inputs and metadata -> forward ->
+sampled tokens -> the step's one host copy, read into its ModelRunnerOutput."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import numpy as np
 import torch
 
-from rung.core.attention_metadata import CommonAttentionMetadata
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.forward_context import ForwardContext, forward_context
 from rung.core.graph_mode import CUDAGraphMode
@@ -21,14 +21,18 @@ from rung.kernels.backend import AttentionBackend, allocate_kv_cache
 from rung.kernels.selector import select_backend
 from rung.models.loader import LoadedModel
 from rung.runtime.config import EngineConfig, cpu_kvcache_space_bytes
-from rung.runtime.outputs import Logprob
-from rung.runtime.sched.request import Request
 from rung.runtime.sched.scheduler import SchedulerOutput
 from rung.runtime.worker.attention_groups import build_attention_groups, build_layer_metadata
-from rung.runtime.worker.input_batch import BatchLayout, HostCopyFence, InputBatch
-from rung.runtime.worker.logprobs import logprob_dict, prompt_rows, unpack_prompt_logprobs
+from rung.runtime.worker.input_batch import InputBatch, StepInputs
 from rung.runtime.worker.rejection_sampler import num_accepted
-from rung.runtime.worker.sampler import Sampler, SamplingBatch, to_device, token_logprobs
+from rung.runtime.worker.sampler import Sampler, to_device, token_logprobs
+from rung.runtime.worker.step_output import (
+    HostCopy,
+    ModelRunnerOutput,
+    PromptRows,
+    StepCopy,
+    prompt_rows,
+)
 
 if TYPE_CHECKING:
     from rung.graphs.manager import GraphManager
@@ -36,27 +40,6 @@ if TYPE_CHECKING:
 # (descriptor, num_tokens_across_dp) -> the descriptor the step runs
 DescriptorHook = Callable[[BatchExecutionDescriptor, "tuple[int, ...] | None"],
                           BatchExecutionDescriptor]
-
-
-@dataclasses.dataclass
-class ModelRunnerOutput:
-    """What one target step produced: everything the engine and a proposer read after it.
-
-    NOTE: ``hidden`` and ``logits`` may be views of static graph buffers: they are valid
-    until the next step runs, and a caller that keeps them longer clones them.
-    """
-
-    desc: BatchExecutionDescriptor                   # how the step ran (real and padded counts)
-    sampled: dict[str, list[int]]                    # request id -> new tokens (maybe none)
-    logprobs: dict[str, list[dict[int, Logprob]]]    # request id -> one dict per new token
-    hidden: torch.Tensor          # [num_tokens_padded, hidden] the target's last hidden states
-    logits: torch.Tensor          # [num_logits, vocab] at layout.logits_indices
-    # request id -> (position of its first entry, one dict per prompt token from there)
-    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = dataclasses.field(
-        default_factory=dict)
-    # a device drafter's k drafts per scheduled request (row order), back in the step's one
-    # copy; None without one, or when no request sampled
-    drafts: list[list[int]] | None = None
 
 
 @dataclasses.dataclass
@@ -111,7 +94,7 @@ class ModelRunner:
         # a capture batch of its own for graphs built off the serving thread (dummy_batch)
         self._scratch_batch: InputBatch | None = None
         self.sampler = Sampler()
-        self.host_output = HostOutput(config.device)
+        self.host_copy = HostCopy(config.device)
         self.graphs: GraphManager | None = None      # see use_graphs; None runs eagerly
         # NOTE: without graphs, a dispatcher with no graph: every batch dispatches eager
         self.dispatcher = Dispatcher(CUDAGraphMode.NONE, [], config.max_num_seqs,
@@ -188,8 +171,8 @@ class ModelRunner:
         return lambda: self._descriptor_hooks.remove(hook)
 
     # --- one step -----------------------------------------------------------------------
-    # prepare -> dispatch (+ hooks) -> pad -> forward (metadata, graph or eager) -> logits
-    # -> sample
+    # dispatch (+ hooks) -> prepare (inputs + metadata) -> forward (graph or eager) -> logits
+    # -> sample -> the one host copy
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ids: list[list[list[int]]],
                 num_tokens_across_dp: tuple[int, ...] | None = None,
@@ -199,22 +182,27 @@ class ModelRunner:
         the target / draft sizes the DP sync agreed on."""
         if self.config.debug_padding:
             self.input_batch.poison(self._poison_rng, self.vocab_size, self.num_blocks)
-        layout = self.input_batch.prepare(sched, block_ids)
+        desc = self._dispatch(sched, num_tokens_across_dp)
+        inputs = self.input_batch.prepare(sched, block_ids, desc, self.max_model_len)
         if self.config.debug_padding:
             self.input_batch.check_block_rows(block_ids)
-        desc = self.dispatcher.dispatch(layout.num_reqs, layout.num_tokens,
-                                        layout.uniform_query_len, num_tokens_across_dp)
-        for hook in self._descriptor_hooks:
-            desc = hook(desc, num_tokens_across_dp)
-        self.input_batch.pad(desc)
-        rows = to_device(self.device, layout.logits_indices)     # NOTE: non_blocking
-        hidden, logits = self.forward(desc, layout, rows)         # [num_tokens_padded, H]
+        hidden, logits = self.forward(desc, inputs)               # [num_tokens_padded, H]
         if logits is None:      # NOTE: a forward that does not end in the lm head
-            logits = self.model.compute_logits(hidden[rows])      # [num_logits, vocab]
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_logits, V]
         out = ModelRunnerOutput(desc, {s.request.request_id: [] for s in sched.scheduled},
                                 {}, hidden, logits)
-        self._sample(sched, layout, logits, out, num_draft_tokens_across_dp)
+        self._sample(sched, inputs, logits, out, num_draft_tokens_across_dp)
         return out
+
+    def _dispatch(self, sched: SchedulerOutput,
+                  num_tokens_across_dp: tuple[int, ...] | None) -> BatchExecutionDescriptor:
+        """The descriptor the step runs: the dispatcher's for its real counts, then every
+        descriptor hook's."""
+        desc = self.dispatcher.dispatch(len(sched.scheduled), sched.num_tokens,
+                                        sched.uniform_query_len, num_tokens_across_dp)
+        for hook in self._descriptor_hooks:
+            desc = hook(desc, num_tokens_across_dp)
+        return desc
 
     @torch.inference_mode()
     def execute_dummy(self, num_tokens_across_dp: tuple[int, ...]) -> None:
@@ -225,16 +213,16 @@ class ModelRunner:
             self.input_batch.poison(self._poison_rng, self.vocab_size, self.num_blocks)
         layout = self.input_batch.prepare_empty()
         self.input_batch.pad(desc)
-        self.forward(desc, layout, to_device(self.device, layout.logits_indices))
+        self.forward(desc, self.input_batch.inputs(desc, layout, self.max_model_len))
 
-    def forward(self, desc: BatchExecutionDescriptor, layout: BatchLayout,
-                rows: torch.Tensor) -> ForwardOutput:
+    def forward(self, desc: BatchExecutionDescriptor, inputs: StepInputs) -> ForwardOutput:
         """Run the target model on the prepared, padded batch -> hidden [num_tokens_padded,
         H] and, where a graph ends in the lm head (per-layer compiled FULL graphs), the
-        logits of hidden[rows] (``rows``: [num_logits] int64, the sampled token rows)."""
-        ids, positions, ctx = self.model_inputs(desc, layout)
+        logits of its sampled rows (``inputs.logits_indices``)."""
+        ids, positions, ctx = self.forward_args(desc, inputs)
         if self.graphs is not None:
-            return self.graphs.run(desc, ids, positions, ctx, rows)   # enters ctx where read
+            return self.graphs.run(desc, ids, positions, ctx,     # enters ctx where read
+                                   inputs.logits_indices)
         with forward_context(ctx):
             return ForwardOutput(self.model(ids, positions), None)
 
@@ -245,38 +233,15 @@ class ModelRunner:
                           len(self.kv_groups), config.block_size, config.device,
                           decode_query_len=1 + config.num_spec_tokens)
 
-    def model_inputs(self, desc: BatchExecutionDescriptor, layout: BatchLayout,
-                     batch: InputBatch | None = None, check: bool = True
-                     ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
-        """(input ids, positions, forward context) of the padded batch: views of the input
-        buffers (``batch``'s, default the serving ones) and every layer's attention
-        metadata (checked in debug mode, unless not ``check``)."""
-        batch = self.input_batch if batch is None else batch
-        commons, attn_metadata = self.build_metadata(desc, layout, batch, check)
-        ids = batch.input_ids.gpu[:desc.num_tokens_padded]
-        positions = batch.positions.gpu[:desc.num_tokens_padded]
-        return ids, positions, ForwardContext(desc, attn_metadata, self.layers,
-                                              commons=commons)
-
-    def build_metadata(self, desc: BatchExecutionDescriptor, layout: BatchLayout,
-                       batch: InputBatch | None = None, check: bool = True
-                       ) -> tuple[list[CommonAttentionMetadata], dict[str, object]]:
-        """Per KV cache group (views of the input buffers sliced by ``desc``), then per
-        layer (its attention group's).
-
-        NOTE: a FULL graph replays for every later batch of its size: its kernels read up
-        to max_model_len keys, and size their query tiles (FA picks its decode path) by
-        1 or 1 + k per request for a uniform decode / verify graph, else by all tokens.
-        """
-        batch = self.input_batch if batch is None else batch
-        lens = (layout.max_query_len, layout.max_seq_len)
-        if desc.mode == CUDAGraphMode.FULL:
-            q = batch.decode_query_len
-            lens = (q if desc.uniform_query_len == q else desc.num_tokens_padded,
-                    self.max_model_len)
-        commons = batch.metadata_views(desc, *lens)
-        return commons, build_layer_metadata(self.attn_groups, commons,
+    def forward_args(self, desc: BatchExecutionDescriptor, inputs: StepInputs,
+                     check: bool = True) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        """(input ids, positions, forward context) of a padded batch: every layer's
+        attention metadata built on ``inputs``' views (checked in debug mode, unless not
+        ``check``)."""
+        attn_metadata = build_layer_metadata(self.attn_groups, inputs.commons,
                                              self.config.debug_padding and check)
+        return inputs.input_ids, inputs.positions, ForwardContext(
+            desc, attn_metadata, self.layers, commons=inputs.commons)
 
     def poison_pads(self, desc: BatchExecutionDescriptor, generator: torch.Generator) -> None:
         """Garbage into the pad input rows a replay of ``desc`` reads (debug_padding)."""
@@ -293,7 +258,7 @@ class ModelRunner:
             batch = self._scratch_batch
         layout = batch.prepare_empty()
         batch.pad(desc)
-        return self.model_inputs(desc, layout, batch)
+        return self.forward_args(desc, batch.inputs(desc, layout, self.max_model_len))
 
     def input_views(self, desc: BatchExecutionDescriptor
                     ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
@@ -302,16 +267,18 @@ class ModelRunner:
         binds to, while steps run."""
         if desc.mode != CUDAGraphMode.FULL:
             raise ValueError(f"input_views of a {desc.mode.name} batch: FULL graphs only")
-        return self.model_inputs(desc, self.input_batch.prepare_empty_layout(), check=False)
+        inputs = self.input_batch.inputs(desc, self.input_batch.prepare_empty_layout(),
+                                         self.max_model_len)
+        return self.forward_args(desc, inputs, check=False)
 
-    def _sample(self, sched: SchedulerOutput, layout: BatchLayout, logits: torch.Tensor,
+    def _sample(self, sched: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor,
                 out: ModelRunnerOutput,
                 num_draft_tokens_across_dp: tuple[int, ...] | None = None) -> None:
         """Sampled tokens (and logprobs, prompt logprobs, a device drafter's drafts) of every
         request into ``out``: one batched pass on the device (sampler, verification of
-        drafts, the drafter), then ONE device-to-host copy."""
+        drafts, the drafter), then ONE device-to-host copy (`StepCopy`)."""
         reqs, drafts, req_rows, wants_prompt = [], [], [], False
-        for i, (s, n) in enumerate(zip(sched.scheduled, layout.num_logits_per_req)):
+        for i, (s, n) in enumerate(zip(sched.scheduled, inputs.layout.num_logits_per_req)):
             if n:                    # NOTE: request order = logits row order, 1 + k rows each
                 reqs.append(s.request)
                 drafts.append(s.request.spec_token_ids[:n - 1])
@@ -322,45 +289,33 @@ class ModelRunner:
             bool(reqs) or num_draft_tokens_across_dp is not None)
         if not reqs and not prompt and not drafting:
             return
-        parts, num_top, sampled = [], None, None
+        starts = tokens = accepted = lps = prompt_lps = proposed = sampled = None
         if reqs:
-            batch = SamplingBatch.build(reqs, drafts, self.config.seed, self.vocab_size,
-                                        self.device)
-            tokens = self.sampler(logits, batch)                   # [num_logits] int64
-            parts = [tokens.double()]
+            result = self.sampler.sample(logits, reqs, drafts, self.config.seed,
+                                         self.vocab_size, self.device)
+            batch, tokens, lps = result.batch, result.tokens, result.logprobs
+            starts = batch.starts
             if batch.num_drafts or drafting:
-                accepted = num_accepted(tokens, batch)             # [num_reqs] int64
-            if batch.num_drafts:
-                parts.append(accepted.double())
-            num_top = max((n for n in batch.num_logprobs if n is not None), default=None)
-            if num_top is not None:
-                parts.append(token_logprobs(logits, tokens, num_top).double().flatten())
+                accepted = num_accepted(tokens, batch)            # [num_reqs] int64
             if drafting:
                 sampled = SampledOnDevice(
                     tokens, accepted, to_device(self.device, np.asarray(req_rows)),
-                    to_device(self.device, batch.starts),
-                    to_device(self.device, layout.logits_indices))
+                    to_device(self.device, starts), inputs.logits_indices)
+            if not batch.num_drafts:
+                accepted = None                                   # NOTE: not copied
         if prompt:
-            parts.append(self._prompt_logprobs(out.hidden, prompt).double().flatten())
+            prompt_lps = self._prompt_logprobs(out.hidden, prompt)
         if drafting:
             # NOTE: queued behind the sampler, before the copy: no host round trip between
             proposed = self.drafter.draft(out.desc.for_drafting(), sched, out.hidden,
                                           sampled, num_draft_tokens_across_dp)
-            if reqs:                                              # [num_reqs, k]
-                parts.append(proposed.double().flatten())
-        if not parts:
-            return
-        # NOTE: the step's one copy
-        host = self.host_output.fetch(torch.cat(parts) if len(parts) > 1 else parts[0])
-        if reqs:
-            host = self._unpack(host, reqs, batch, num_top, out)
-        if prompt:
-            host = unpack_prompt_logprobs(host, prompt, out)
-        if drafting and reqs:
-            out.drafts = host.astype(np.int64).reshape(sched.num_reqs, -1).tolist()
+            if not reqs:
+                proposed = None                                   # NOTE: not copied
+        if reqs or prompt:                                        # NOTE: the step's one copy
+            self.host_copy.fetch(StepCopy(reqs, starts, tokens, accepted, lps, prompt,
+                                          prompt_lps, proposed), out)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor,
-                         prompt: list[tuple[Request, int, int, int]]) -> torch.Tensor:
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt: list[PromptRows]) -> torch.Tensor:
         """Row t: the logprob of prompt token t + 1. -> [num_rows, 2 + 2 * num_top]."""
         rows = np.concatenate([np.arange(r, r + n) for _, r, _, n in prompt])
         nexts = np.concatenate([np.asarray(req.prompt_token_ids[p + 1:p + 1 + n])
@@ -368,53 +323,3 @@ class ModelRunner:
         num_top = max(req.params.prompt_logprobs for req, *_ in prompt)
         logits = self.model.compute_logits(hidden[to_device(self.device, rows)])
         return token_logprobs(logits, to_device(self.device, nexts), num_top)
-
-    def _unpack(self, host: np.ndarray, reqs: list[Request], batch: SamplingBatch,
-                num_top: int | None, out: ModelRunnerOutput) -> np.ndarray:
-        """host: [num_rows] tokens, [num_reqs] accepted when any request verified drafts,
-        then [num_rows, 2 + 2 * num_top] logprobs (`token_logprobs`) when any request asked.
-        Returns what follows."""
-        num_rows, end = batch.num_rows, batch.num_rows
-        tokens = host[:num_rows].astype(np.int64)
-        accepted = [0] * len(reqs)
-        if batch.num_drafts:
-            accepted = host[end:end + len(reqs)].astype(np.int64).tolist()
-            end += len(reqs)
-        lps = None
-        if num_top is not None:
-            lps = host[end:end + num_rows * (2 + 2 * num_top)].reshape(num_rows, -1)
-            end += lps.size
-        for req, start, n_acc in zip(reqs, batch.starts.tolist(), accepted):
-            rows = range(start, start + n_acc + 1)
-            out.sampled[req.request_id] = tokens[start:start + n_acc + 1].tolist()
-            if req.params.logprobs is not None:
-                out.logprobs[req.request_id] = [
-                    logprob_dict(int(tokens[r]), lps[r], req.params.logprobs) for r in rows]
-        return host[end:]
-
-
-class HostOutput:
-    """Pinned staging of the step's one device-to-host copy, behind a HostCopyFence.
-
-    NOTE: the copy is non_blocking into pinned memory, then the fence waits on its event:
-    the one host sync of a step on CUDA. On CPU the device tensor is host memory, read in
-    place. The returned array is valid until the next fetch.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.fence = HostCopyFence(device)
-        self._pinned: torch.Tensor | None = None        # [capacity] float64, grown on demand
-
-    def fetch(self, packed: torch.Tensor) -> np.ndarray:
-        """packed [n] float64 on the device -> its values on the host."""
-        if self.device.type == "cpu":
-            return packed.numpy()
-        n = packed.numel()
-        if self._pinned is None or self._pinned.numel() < n:
-            self._pinned = torch.empty(max(n, 4096), dtype=torch.float64, pin_memory=True)
-        host = self._pinned[:n]
-        host.copy_(packed, non_blocking=True)
-        self.fence.record()
-        self.fence.wait()
-        return host.numpy()

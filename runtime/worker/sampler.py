@@ -278,8 +278,28 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
+@dataclasses.dataclass
+class SamplerOutput:
+    """What the sampler made of one step's logits, still on the device."""
+
+    batch: SamplingBatch
+    tokens: torch.Tensor                 # [num_rows] int64, the target's token per row
+    logprobs: torch.Tensor | None        # [num_rows, 2 + 2 * num_top] (`token_logprobs`)
+    # when a request asked for logprobs, else None
+
+
 class Sampler:
     """Every sampled row's target token, on the logits' device, in one batched pass."""
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]],
+               engine_seed: int, vocab_size: int, device: torch.device) -> SamplerOutput:
+        """The sampling batch of ``reqs`` (``drafts[j]``: request j's drafts to verify),
+        its tokens, and their logprobs where a request asked. logits [num_rows, V]."""
+        batch = SamplingBatch.build(reqs, drafts, engine_seed, vocab_size, device)
+        tokens = self(logits, batch)                              # [num_rows] int64
+        num_top = max((n for n in batch.num_logprobs if n is not None), default=None)
+        lps = token_logprobs(logits, tokens, num_top) if num_top is not None else None
+        return SamplerOutput(batch, tokens, lps)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logits [R, V] -> tokens [R] int64 (row r: the target's sample at its position)."""

@@ -4,7 +4,7 @@ A FULL graph of a model that exposes ``decoder_parts()`` is built from one induc
 artifact per layer KIND (Llama: one; Gemma 4: sliding, full, shared-KV and MoE variants),
 not from the whole forward: compile cost grows with neither the depth nor (with a
 symbolic batch) the ladder. An artifact's inputs are named relative to its layer
-(graphs/layer_artifacts.py), so the artifact traced on layer 0 binds to layer 29 by name.
+(graphs/cpu_compiled/layer_specs.py), so the artifact traced on layer 0 binds to layer 29 by name.
 
 A replay runs the model's embedding eagerly (a gather), calls each layer's artifact in
 turn on the previous one's hidden states (each gathers its rope from the positions), then
@@ -29,11 +29,11 @@ import torch
 from torch import nn
 
 from rung.core.forward_context import ForwardContext, forward_context
-from rung.graphs.artifact_cache import bind_inputs
 from rung.graphs.capture import CapturedGraph, ForwardOutput, memory_identity
-from rung.graphs.compiled import MIN_DYNAMIC_SIZE, CompiledGraphBackend
-from rung.graphs.direct_call import DirectCall, PlainSizes, from_handles, to_handles
-from rung.graphs.layer_artifacts import DecoderParts, layer_specs, layer_tensors
+from rung.graphs.cpu_compiled.artifact_cache import bind_inputs
+from rung.graphs.cpu_compiled.artifacts import MIN_DYNAMIC_SIZE, ArtifactCompiler
+from rung.graphs.cpu_compiled.direct_call import DirectCall, PlainSizes, from_handles, to_handles
+from rung.graphs.cpu_compiled.layer_specs import DecoderParts, layer_specs, layer_tensors
 from rung.kernels.attention import Attention
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class LayeredGraph(CapturedGraph):
         return ForwardOutput(hidden, logits)
 
 
-def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor],
+def capture_layers(backend: ArtifactCompiler, inputs: Sequence[torch.Tensor],
                    parts: DecoderParts, ctx: ForwardContext,
                    graph_key: dict[str, Any], symbolic: bool,
                    off_thread: bool = False,
@@ -170,7 +170,7 @@ def capture_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor]
             mismatches: list[str] = []
             # NOTE: eager beside the artifacts only where these run on one thread: an
             # artifact generated for more waits at each parallel loop's barrier for a core
-            # the eager thread holds (SmolLM2 at 2 threads: ~10x the layer's time)
+            # the eager thread holds, many times the layer's own time
             overlap = backend.threads == 1 and not off_thread
             with _one_thread() if overlap else contextlib.nullcontext():
                 with _Teacher(parts, inputs[0], inputs[1], _eager_context(ctx),
@@ -402,7 +402,7 @@ def _eager_context(ctx: ForwardContext) -> ForwardContext:
                                                    in ctx.attn_metadata.items()})
 
 
-def _bind_layers(backend: CompiledGraphBackend, inputs: Sequence[torch.Tensor],
+def _bind_layers(backend: ArtifactCompiler, inputs: Sequence[torch.Tensor],
                  parts: DecoderParts, ctx: ForwardContext, specs: list
                  ) -> tuple[LayeredGraph, set[str]]:
     """The graph with every layer bound to its kind's artifact (compiled or loaded now),

@@ -12,9 +12,7 @@ masked; not k), and it is kept in the disk cache. Bound to a size, a graph must 
 eager rounds' drafts on that size's capture batch before it goes live.
 
 Why a round and not all k rounds in one artifact: the unrolled rounds' compile grows with k
-and their replay is no faster (``python -m rung.bench.draft_step``, tiny-gemma4-mtp, k = 3,
-one process, load average 6-10: compile 80.5 s a round vs 97.7 s unrolled; draft step at 1
-request 1.92 ms vs 2.05 ms, the eager rounds 10.10 ms).
+and their replay is no faster (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -30,15 +28,15 @@ from torch import nn
 
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.forward_context import ForwardContext
-from rung.graphs.artifact_cache import bind_inputs
 from rung.graphs.capture import ArtifactGraph, memory_identity
-from rung.graphs.compiled import (
+from rung.graphs.cpu_compiled.artifact_cache import bind_inputs
+from rung.graphs.cpu_compiled.artifacts import (
     MIN_DYNAMIC_SIZE,
-    CompiledGraphBackend,
+    ArtifactCompiler,
     compile_key,
     symbolic_dims,
 )
-from rung.graphs.direct_call import PlainSizes
+from rung.graphs.cpu_compiled.direct_call import PlainSizes
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +113,7 @@ def _call_unpacked(artifact: Callable[..., Any], args: list) -> Any:
     return artifact(*args)
 
 
-def capture_compiled_draft(backend: CompiledGraphBackend, desc: BatchExecutionDescriptor,
+def capture_compiled_draft(backend: ArtifactCompiler, desc: BatchExecutionDescriptor,
                            fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
                            ctx: ForwardContext, tensors: Mapping[str, torch.Tensor],
                            rounds: DraftRounds, prefix: str, symbolic: bool
@@ -154,7 +152,7 @@ def capture_compiled_draft(backend: CompiledGraphBackend, desc: BatchExecutionDe
                        "draft rounds")
 
 
-def _bind(backend: CompiledGraphBackend, key: str, fn: Callable[..., torch.Tensor],
+def _bind(backend: ArtifactCompiler, key: str, fn: Callable[..., torch.Tensor],
           inputs: Sequence[torch.Tensor], named: dict[str, torch.Tensor],
           dynamic: dict[str, tuple[int, ...]], ctx: ForwardContext, rounds: DraftRounds
           ) -> tuple[CompiledRounds | None, bool]:

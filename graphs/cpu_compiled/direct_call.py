@@ -1,15 +1,15 @@
 """Calling an inductor artifact past its wrappers: the generated wrapper's own ``call``.
 
-A per-layer replay calls one artifact per decoder layer (SmolLM2: 30 a step). Between
+A per-layer replay calls one artifact per decoder layer. Between
 ``artifact(*args)`` and the generated ``call`` sit aot_autograd's runtime wrappers and
 ``CompiledFxGraph.__call__``, and the C++ wrapper's ``call`` turns every int into a 0-dim
-tensor: ~150 us of Python a call. ``direct_call`` finds ``call`` and proves, with one
+tensor: Python work on every call. ``direct_call`` finds ``call`` and proves, with one
 probe, that everything in between hands arguments and outputs through unchanged.
 
 Under the C++ wrapper, ``call`` is a few lines around one function of a Python extension
 module inductor compiled (``wrapper_library``). ``load_wrapper`` loads that library again
-in a later process and calls it the same way, without importing inductor: a warm start
-of SmolLM2 spent ~5 s of its ~10 s importing and preparing inductor to reach it.
+in a later process and calls it the same way, without importing inductor, which
+otherwise dominates a warm start.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def direct_call(artifact: Callable[..., Any], args: list) -> DirectCall | None:
     and recording what reaches ``call``.
 
     NOTE: those layers (aot_autograd's runtime wrappers, ``CompiledFxGraph.__call__``) and
-    ``call``'s int -> tensor conversion cost ~150 us of Python a call; a per-layer replay
-    makes one call per decoder layer (SmolLM2: 30 a step, ~10% of a decode step).
+    ``call``'s int -> tensor conversion cost Python work on every call, and a per-layer
+    replay makes one call per decoder layer.
     """
     graphs = _compiled_fx_graphs(artifact)
     if len(graphs) != 1:

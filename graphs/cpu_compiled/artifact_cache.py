@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from rung.graphs.capture import memory_identity
-from rung.graphs.direct_call import DirectCall, load_wrapper
+from rung.graphs.cpu_compiled.direct_call import DirectCall, load_wrapper
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """What a per-layer compiled graph is built from: one artifact per decoder-layer kind and
-one per epilogue range (see graphs/layered.py), each with its named inputs, the dims it
-traces symbolic and its cache key.
+one per epilogue range (see per_layer.py), each with its named inputs, the dims it traces
+symbolic and its cache key.
 
 A layer's inputs are named relative to the layer (``param.mlp.down_proj.weight``,
 ``kv.self_attn.attn``, ``meta.self_attn.attn.seq_lens``, ``rotary.cos_table``,
@@ -16,7 +16,11 @@ import torch
 from torch import nn
 
 from rung.core.forward_context import ForwardContext
-from rung.graphs.compiled import MAX_DYNAMIC_SIZE, MIN_DYNAMIC_SIZE, CompiledGraphBackend
+from rung.graphs.cpu_compiled.artifacts import (
+    MAX_DYNAMIC_SIZE,
+    MIN_DYNAMIC_SIZE,
+    ArtifactCompiler,
+)
 from rung.kernels.attention import Attention
 
 
@@ -60,7 +64,7 @@ _METADATA = ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
 _PER_LAYER_ATTRIBUTES = frozenset({"layer_name", "kv_sharing_target", "training"})
 
 
-def build_layer_artifacts(backend: CompiledGraphBackend, specs: list[ArtifactSpec]) -> float:
+def build_layer_artifacts(backend: ArtifactCompiler, specs: list[ArtifactSpec]) -> float:
     """Compile (or load) every artifact in ``specs`` (one per layer kind, the epilogues),
     binding nothing; the seconds spent compiling."""
     seen: set[str] = set()
@@ -89,7 +93,7 @@ def _epilogue_fn(parts: DecoderParts) -> Callable[..., tuple[torch.Tensor, torch
     return run_epilogue
 
 
-def layer_specs(backend: CompiledGraphBackend, parts: DecoderParts, ctx: ForwardContext,
+def layer_specs(backend: ArtifactCompiler, parts: DecoderParts, ctx: ForwardContext,
                 ids: torch.Tensor, positions: torch.Tensor, graph_key: dict[str, Any],
                 symbolic: bool) -> list[ArtifactSpec]:
     """The artifact of every decoder layer, then of each epilogue a graph of this many
@@ -106,7 +110,7 @@ def layer_specs(backend: CompiledGraphBackend, parts: DecoderParts, ctx: Forward
     return specs + _epilogue_specs(backend, parts, hidden, graph_key, symbolic)
 
 
-def _epilogue_specs(backend: CompiledGraphBackend, parts: DecoderParts, hidden: torch.Tensor,
+def _epilogue_specs(backend: ArtifactCompiler, parts: DecoderParts, hidden: torch.Tensor,
                     graph_key: dict[str, Any], symbolic: bool) -> list[ArtifactSpec]:
     """One epilogue per range of logits rows between ``parts.logits_splits`` that a graph
     of ``hidden``'s T tokens may sample (1..T rows).

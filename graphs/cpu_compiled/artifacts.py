@@ -1,7 +1,8 @@
-"""CPU graphs that are really compiled, the CPU analogue of a CUDA graph: inductor artifacts
-of the forward (or of one decoder layer: ``graphs.layered``) traced with attention inlined
-(``ForwardContext.inline_attention``), replayed on the very tensors they were traced with
-(weights, KV caches, input buffer views): no guard is evaluated, nothing is re-traced."""
+"""Inductor artifacts of a forward (whole, or one decoder layer: ``per_layer``), what
+compiled CPU graphs are made of: traced with attention inlined
+(``ForwardContext.inline_attention``), compiled or loaded from the disk cache, and replayed
+on the very tensors they were traced with (weights, KV caches, input buffer views): no
+guard is evaluated, nothing is re-traced."""
 
 from __future__ import annotations
 
@@ -15,15 +16,20 @@ from torch import fx
 
 from rung.core.descriptor import BatchExecutionDescriptor
 from rung.core.forward_context import ForwardContext, get_forward_context
-from rung.graphs.artifact_cache import ArtifactCache, artifact_key, bind_inputs, input_names
 from rung.graphs.capture import ArtifactGraph, EmulatedGraphBackend, memory_identity
-from rung.graphs.direct_call import DirectCall, direct_call, wrapper_library
+from rung.graphs.cpu_compiled.artifact_cache import (
+    ArtifactCache,
+    artifact_key,
+    bind_inputs,
+    input_names,
+)
+from rung.graphs.cpu_compiled.direct_call import DirectCall, direct_call, wrapper_library
 
 logger = logging.getLogger(__name__)
 
-# NOTE: the C++ wrapper calls a replay's ~10 kernels per layer without Python in between
-# (0.95x vs 1.17x the matmul floor at 1 request, bench-llama) at the price of a longer
-# compile. Part of the artifact cache key.
+# NOTE: the C++ wrapper calls a replay's kernels without Python in between (closer to the
+# matmul floor at one request, docs/performance.md) at the price of a longer compile.
+# Part of the artifact cache key.
 INDUCTOR_OPTIONS: dict[str, Any] = {"config_patches": {"cpp_wrapper": True}}
 
 
@@ -196,14 +202,16 @@ def compile_traced(traced: TracedGraph, options: dict[str, Any]) -> Any:
                                               options=copy.deepcopy(options))
 
 
-class CompiledGraphBackend(EmulatedGraphBackend):
-    """FULL graphs: trace + inductor compile at the capture's static shapes, or a load from
-    the on-disk artifact cache when an entry with the same key exists.
+class ArtifactCompiler(EmulatedGraphBackend):
+    """Inductor artifacts of FULL graphs: trace + compile at the capture's static shapes, or
+    a load from the on-disk artifact cache when an entry with the same key exists; each
+    bound to the tensors it replays on. `capture_backend.CompiledGraphBackend` builds graphs from
+    them for the GraphManager.
 
     PIECEWISE pieces are captured as the emulated backend captures them (run as
-    ``compilation_config.backend`` compiled them); a drafter's graphs are one artifact of
-    a draft round, called once per round (``graphs.compiled_draft``). In debug mode every
-    replay, compiled or not, first poisons the pad rows of its inputs, as emulated replays do.
+    ``compilation_config.backend`` compiled them); a drafter's graphs are one artifact of a
+    draft round, called once per round (``draft_rounds``). In debug mode every replay,
+    compiled or not, first poisons the pad rows of its inputs, as emulated replays do.
     """
 
     name = "compiled"
