@@ -15,7 +15,7 @@ from rung.graphs.manager import CaptureRecord
 from rung.runtime.config import EngineConfig
 from rung.runtime.dist.data_parallel import DataParallelGroup, DPStep, init_data_parallel
 from rung.runtime.engine.dp_sync import EngineDataParallel
-from rung.runtime.engine.output_processor import make_output
+from rung.runtime.engine.output_processor import make_output, make_outputs
 from rung.runtime.engine.parallel_sampling import ParallelSampling, ParentRequest
 from rung.runtime.engine.processor import InputProcessor, Prompt
 from rung.runtime.engine.startup import GraphStartup, load_target, log_setup, make_proposer
@@ -25,7 +25,7 @@ from rung.runtime.outputs import RequestOutput
 from rung.runtime.request_ids import RequestId, check_request_id
 from rung.runtime.sampling_params import SamplingParams
 from rung.runtime.sched.kv_cache_manager import KVCacheManager
-from rung.runtime.sched.request import Request
+from rung.runtime.sched.request import Commit, Request, commit_step
 from rung.runtime.sched.scheduler import Scheduler, SchedulerOutput
 from rung.runtime.spec.proposer import SpecStats
 from rung.runtime.structured import GrammarCompiler
@@ -244,8 +244,9 @@ class LLMEngine:
 
     def _commit(self, sched: SchedulerOutput, result: ModelRunnerOutput
                 ) -> list[RequestOutput]:
-        """Advance every scheduled request by the tokens its step produced."""
-        outputs = []
+        """Advance every scheduled request by the tokens its step produced: one commit
+        pass over the requests (`commit_step`), then their outputs in one pass."""
+        commits = []
         for s in sched.scheduled:
             req = s.request
             new = result.sampled.get(req.request_id, [])
@@ -256,16 +257,18 @@ class LLMEngine:
                 self.spec_stats.record(s.num_spec_tokens, num_accepted)
             if req.request_id in result.prompt_logprobs:
                 req.add_prompt_logprobs(*result.prompt_logprobs[req.request_id])
-            num_computed = s.num_new_tokens - s.num_spec_tokens + num_accepted
-            num_kept, reason = req.commit(new, num_computed, self.kv,
-                                          result.logprobs.get(req.request_id))
+            commits.append(Commit(req, new, s.num_new_tokens - s.num_spec_tokens + num_accepted,
+                                  result.logprobs.get(req.request_id)))
+        slots: list[Request | RequestOutput] = []      # running requests, finished outputs
+        for commit, (num_kept, reason) in zip(commits, commit_step(commits, self.kv)):
             self.num_generated_tokens += num_kept
-            if not new:
+            if not commit.tokens:
                 continue
-            out = self._finish(req, reason) if reason is not None else make_output(req)
-            if out is not None:
-                outputs.append(out)
-        return outputs
+            slots.append(commit.request if reason is None else self._finish(commit.request,
+                                                                            reason))
+        made = iter(make_outputs([s for s in slots if isinstance(s, Request)]))
+        outputs = [next(made) if isinstance(s, Request) else s for s in slots]
+        return [out for out in outputs if out is not None]
 
     def _propose(self, sched: SchedulerOutput, result: ModelRunnerOutput,
                  dp_step: DPStep | None) -> None:

@@ -34,3 +34,8 @@ def make_output(req: Request) -> RequestOutput | None:
                                                   req.is_finished)
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
                          req.is_finished, req.prompt_logprobs, req.num_cached_tokens)
+
+
+def make_outputs(reqs: list[Request]) -> list[RequestOutput | None]:
+    """`make_output` of each request of a step, in order."""
+    return [make_output(req) for req in reqs]

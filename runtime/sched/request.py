@@ -266,3 +266,19 @@ def _stop_buffer_length(params: SamplingParams) -> int:
     if not params.stop or params.include_stop_str_in_output:
         return 0
     return max(map(len, params.stop)) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Commit:
+    """What one step produced for one request (`Request.commit`'s arguments)."""
+
+    request: Request
+    tokens: list[int]                       # accepted drafts, then the sampled token
+    num_computed: int                       # tokens whose KV the step wrote and verified
+    logprobs: list[dict[int, Logprob]] | None = None
+
+
+def commit_step(commits: list[Commit], kv: KVCacheManager) -> list[tuple[int, str | None]]:
+    """A step's results for its requests, in order, each through its own `Request.commit`:
+    (tokens kept, why it ends or None) per request."""
+    return [c.request.commit(c.tokens, c.num_computed, kv, c.logprobs) for c in commits]
