@@ -204,7 +204,7 @@ class EngineCore:
 
 class ThreadTransport:
     """The owner on a thread of this process (``--engine-in-process``): commands go
-    through a queue, events straight to ``on_event`` (which must be thread-safe)."""
+    through a queue, events to the event loop by ``call_soon_threadsafe``."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -212,15 +212,20 @@ class ThreadTransport:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def start(self, on_event: Callable[[Event], None]) -> None:
-        core = EngineCore(self.engine, on_event)
+    def start(self, loop: asyncio.AbstractEventLoop, on_event: Callable[[Event], None]
+              ) -> None:
+        """Start the owner; ``on_event`` is called on ``loop``."""
+        def emit(event: Event) -> None:
+            loop.call_soon_threadsafe(on_event, event)
+
+        core = EngineCore(self.engine, emit)
 
         def run() -> None:
             try:
                 core.run(self._receive)
             except BaseException as e:      # noqa: BLE001 - reported, then the thread ends
                 logger.exception("the engine thread died")
-                on_event(("dead", f"the engine thread died: {type(e).__name__}: {e}"))
+                emit(("dead", f"the engine thread died: {type(e).__name__}: {e}"))
 
         self._thread = threading.Thread(target=run, name="rung-engine", daemon=True)
         self._thread.start()
@@ -325,8 +330,8 @@ class EngineLoop:
         self.on_dead: Callable[[str], None] | None = None
 
     def start(self) -> None:
-        self._event_loop = loop = asyncio.get_running_loop()
-        self.transport.start(lambda event: loop.call_soon_threadsafe(self._on_event, event))
+        self._event_loop = asyncio.get_running_loop()
+        self.transport.start(self._event_loop, self._on_event)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.transport.stop(timeout_s)

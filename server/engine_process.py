@@ -5,7 +5,8 @@ The HTTP process and the engine then share no interpreter lock: the event loop f
 answers while the engine steps. One duplex pipe (a socketpair, pickled tuples) carries
 the commands and events of rung.server.engine_loop; each step's outputs for every request
 are one message. A writer thread sends commands, so the event loop never pickles a prompt
-nor waits on a full pipe; a reader thread receives events and hands them to the loop.
+nor waits on a full pipe; the event loop's own selector wakes on events (no thread hop
+between a step and its answers).
 
 The child is spawned (a fresh interpreter: no state forked from the server), builds the
 engine with the ``make_engine`` it is given, reports ready with the `EngineInfo` the
@@ -17,6 +18,7 @@ dies, the reader sees the pipe close and reports ``("dead", why)``.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import multiprocessing
@@ -72,9 +74,11 @@ class EngineProcess:
         self.info = payload
         return payload
 
-    def start(self, on_event: Callable[[Event], None]) -> None:
-        threading.Thread(target=self._read, args=(on_event,), name="rung-engine-reader",
-                         daemon=True).start()
+    def start(self, loop: asyncio.AbstractEventLoop, on_event: Callable[[Event], None]
+              ) -> None:
+        """Start carrying; ``on_event`` is called on ``loop``."""
+        self._loop, self._on_event = loop, on_event
+        loop.add_reader(self._conn.fileno(), self._read)
         threading.Thread(target=self._write, name="rung-engine-writer", daemon=True).start()
 
     def send(self, command: Command) -> None:
@@ -93,20 +97,24 @@ class EngineProcess:
             self.process.join(5)
         self._commands.put(None)
 
-    def _read(self, on_event: Callable[[Event], None]) -> None:
-        while True:
-            try:
-                event = self._conn.recv()
-            except (EOFError, OSError):
-                break
-            on_event(event)
-        if self._stopping:
-            return
-        self.process.join(1.0)
+    def _read(self) -> None:
+        """On the event loop: every event that has arrived. NOTE: the child writes each
+        event whole, so a readable pipe holds at least the start of one that is coming
+        at once; none is larger than one step's outputs."""
+        try:
+            while self._conn.poll(0):
+                self._on_event(self._conn.recv())
+        except (EOFError, OSError):
+            self._loop.remove_reader(self._conn.fileno())
+            if not self._stopping:
+                future = self._loop.run_in_executor(None, self.process.join, 2.0)
+                future.add_done_callback(lambda _: self._on_event(("dead", self._why())))
+
+    def _why(self) -> str:
         code = self.process.exitcode
-        why = (f"killed by signal {-code}" if code is not None and code < 0
+        how = (f"killed by signal {-code}" if code is not None and code < 0
                else f"exit code {code}")
-        on_event(("dead", f"the engine process died ({why})"))
+        return f"the engine process died ({how})"
 
     def _write(self) -> None:
         while (command := self._commands.get()) is not None:

@@ -125,10 +125,11 @@ def test_the_engine_process_serves_generates_text_and_its_death_ends_the_server(
 
 
 def test_sigterm_stops_the_engine_process_within_the_shutdown_timeout(tmp_path):
-    s = Server(tmp_path, "--shutdown-timeout", "1")
+    s = Server(tmp_path, "--shutdown-timeout", "1", "--max-model-len", "2048")
     try:
         engine = _engine_pid(s.proc.pid)
-        long = s.client().completions.create(model=MODEL, prompt="Go on", max_tokens=240,
+        # NOTE: 2000 tokens outlast the 1 s drain even on a quiet machine
+        long = s.client().completions.create(model=MODEL, prompt="Go on", max_tokens=2000,
                                              temperature=0, stream=True,
                                              extra_body={"ignore_eos": True})
         next(iter(long))
