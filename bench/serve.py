@@ -75,7 +75,10 @@ def run_serve_bench(args: argparse.Namespace, build_llm: Callable[..., LLM],
     records = []
     try:
         for name, flags in _server_variants(args).items():
-            servers[name] = _ServerProcess(engine_argv + flags, args.threads)
+            threads = args.threads
+            if "--engine-in-process" not in flags and args.engine_process_threads:
+                threads = args.engine_process_threads
+            servers[name] = _ServerProcess(engine_argv + flags, threads)
         warm = _prompts(0, 2, args.input_len, vocab)
         _generate_round(llm, warm, 4)
         for server in servers.values():

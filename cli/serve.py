@@ -110,6 +110,10 @@ def _add_serve_bench_args(p: argparse.ArgumentParser) -> None:
                    help="benchmark a server whose engine runs on a thread of its own process")
     p.add_argument("--compare-engine-in-process", action="store_true",
                    help="run both servers (engine process, engine in process) round by round")
+    p.add_argument("--engine-process-threads", type=int, default=None,
+                   help="torch threads of a server's engine process (default: --threads); "
+                        "e.g. one less, the core left to its HTTP process as rung serve's "
+                        "own policy does")
     p.set_defaults(max_num_seqs=32)
 
 

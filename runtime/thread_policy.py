@@ -10,8 +10,11 @@ Two parts, because OpenMP reads its wait policy once, when its runtime loads (at
   program needs. Too late (and skipped) when torch was imported first.
 - `apply_thread_policy` runs when a CPU engine starts: unless the user chose a count
   (``RUNG_NUM_THREADS``, ``OMP_NUM_THREADS``, or ``torch.set_num_threads`` to other than
-  torch's default), torch runs on the cores that were free over a short sample. Compiled
-  graphs are generated for that count (it is part of their cache key).
+  torch's default), torch runs on the cores that were free over a short sample, less
+  ``RUNG_NUM_RESERVED_CORES`` (cores left to another process of the same program, e.g.
+  `rung serve`'s HTTP process beside its engine process; vLLM's
+  VLLM_CPU_NUM_OF_RESERVED_CPU). Compiled graphs are generated for that count (it is
+  part of their cache key).
 
 ``RUNG_THREAD_POLICY=off`` leaves both to torch and OpenMP.
 """
@@ -27,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 POLICY_ENV = "RUNG_THREAD_POLICY"
 NUM_THREADS_ENV = "RUNG_NUM_THREADS"
+RESERVED_CORES_ENV = "RUNG_NUM_RESERVED_CORES"
 # NOTE: libgomp's default spin is 300000 iterations (OMP_WAIT_POLICY unset), long enough to
 # steal a time slice from a busy neighbour at every parallel region's end
 DEFAULT_SPINCOUNT = "10000"
@@ -94,6 +98,13 @@ def _user_threads(torch_threads: int, num_cores: int) -> tuple[int | None, str |
     return None, None
 
 
+def _reserved_cores() -> int:
+    raw = os.environ.get(RESERVED_CORES_ENV, "0")
+    if not raw.isdigit():
+        raise ValueError(f"{RESERVED_CORES_ENV}={raw!r} must be a non-negative integer")
+    return int(raw)
+
+
 def apply_thread_policy() -> int:
     """Set torch's thread count for a CPU engine; returns it."""
     import torch
@@ -109,11 +120,13 @@ def apply_thread_policy() -> int:
         return chosen
     free = free_cores()
     threads = num_cores if free is None else max(1, min(num_cores, round(free)))
+    threads = max(1, threads - _reserved_cores())
     torch.set_num_threads(threads)
     spin = ("GOMP_SPINCOUNT=" + DEFAULT_SPINCOUNT if _spin_set_by_rung else
             "OpenMP's wait policy as set" if any(k in os.environ for k in _WAIT_ENVS) else
             "OpenMP's default spin (torch was imported before rung)")
-    logger.info("CPU threads: %d of %d cores (%s free at start-up; %s=N or "
+    logger.info("CPU threads: %d of %d cores (%s free at start-up, %d reserved; %s=N or "
                 "%s=off overrides), %s", threads, num_cores,
-                "?" if free is None else f"{free:.1f}", NUM_THREADS_ENV, POLICY_ENV, spin)
+                "?" if free is None else f"{free:.1f}", _reserved_cores(), NUM_THREADS_ENV,
+                POLICY_ENV, spin)
     return threads

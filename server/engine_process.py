@@ -10,9 +10,11 @@ between a step and its answers).
 
 The child is spawned (a fresh interpreter: no state forked from the server), builds the
 engine with the ``make_engine`` it is given, reports ready with the `EngineInfo` the
-server prepares requests with, then runs `EngineCore`. It ignores SIGINT and SIGTERM
-(the server drains, then stops it) and ends with its parent: on the pipe's end of file
-between steps, or at once by the kernel's parent-death signal (Linux). When the child
+server prepares requests with, then runs `EngineCore`. Unless the user sets a thread
+count, its engine leaves one core to the HTTP process (RUNG_NUM_RESERVED_CORES=1). It
+ignores SIGINT and SIGTERM (the server drains, then stops it) and ends with its parent:
+on the pipe's end of file between steps, or at once by the kernel's parent-death signal
+(Linux). When the child
 dies, the reader sees the pipe close and reports ``("dead", why)``.
 """
 
@@ -129,6 +131,10 @@ def _engine_main(conn: Connection, make_engine: Callable[[], LLMEngine]) -> None
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # NOTE: a core for the HTTP process: with as many OpenMP threads as cores, its event
+    # loop is one runnable thread too many and every parallel region's barrier waits for
+    # a preempted thread (a user's own thread count still wins)
+    os.environ.setdefault("RUNG_NUM_RESERVED_CORES", "1")
     try:
         engine = make_engine()
         info = engine_info(engine, own_grammars=False)
