@@ -14,8 +14,8 @@ server prepares requests with, then runs `EngineCore`. Unless the user sets a th
 count, its engine leaves one core to the HTTP process (RUNG_NUM_RESERVED_CORES=1). It
 ignores SIGINT and SIGTERM (the server drains, then stops it) and ends with its parent:
 on the pipe's end of file between steps, or at once by the kernel's parent-death signal
-(Linux). When the child
-dies, the reader sees the pipe close and reports ``("dead", why)``.
+(Linux). When the child dies, the event loop sees the pipe close and reports
+``("dead", why)``.
 """
 
 from __future__ import annotations
