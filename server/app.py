@@ -387,7 +387,10 @@ class _GracefulServer(uvicorn.Server):
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets)
         self._sweeper = asyncio.ensure_future(self._sweep_slow_heads())
-        self.rung.engine_loop.on_dead = lambda _: asyncio.ensure_future(self._exit_dead())
+        engine_loop = self.rung.engine_loop
+        engine_loop.on_dead = lambda _: asyncio.ensure_future(self._exit_dead())
+        if engine_loop.dead is not None:        # it died while the server started
+            asyncio.ensure_future(self._exit_dead())
 
     async def _exit_dead(self) -> None:
         """The engine died: the requests in flight have their 500 (give it the grace to
