@@ -40,6 +40,7 @@ Prompt = str | dict
 Command = tuple
 Event = tuple
 IDLE_GRAPH_POLL_S = 0.2      # how often an idle engine looks for graphs built meanwhile
+MAX_PENDING_DELTAS = 64      # a sequence's undelivered outputs merge into one at this many
 
 
 class EngineError(RuntimeError):
@@ -252,15 +253,18 @@ class RequestStream:
     owner delivers them: DELTA outputs, then an exception if the request failed.
 
     NOTE: bounded whatever the client does: outputs that arrive before the reader takes
-    them merge into one pending output per sequence (`put`), so a client that does not
-    read holds at most its request's own output (at most max_tokens tokens per
-    sequence), never one object per engine step."""
+    them wait per sequence and merge into one every ``MAX_PENDING_DELTAS`` (`put`) and
+    when the reader takes them, so a client that does not read holds at most its
+    request's own output (at most max_tokens tokens per sequence) in fewer than
+    ``MAX_PENDING_DELTAS`` objects, never one object per engine step. Merging k deltas at
+    once costs one merge, not k: a reader that falls behind by many steps (many streams
+    of a fast model) does not pay per step for having fallen behind."""
 
     def __init__(self, loop: EngineLoop, request_ids: list[str], num_seqs: int) -> None:
         self._loop = loop
         self.request_ids = request_ids
         self.num_seqs = num_seqs
-        self._pending: dict[tuple[str, int], RequestOutput] = {}
+        self._pending: dict[tuple[str, int], list[RequestOutput]] = {}
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
         self._unfinished = set(request_ids)
@@ -272,7 +276,12 @@ class RequestStream:
             # NOTE: a DELTA output holds one completion (n > 1: one per child, by index)
             key = (item.request_id, item.outputs[0].index)
             pending = self._pending.get(key)
-            self._pending[key] = item if pending is None else _merge(pending, item)
+            if pending is None:
+                self._pending[key] = [item]
+            else:
+                pending.append(item)
+                if len(pending) >= MAX_PENDING_DELTAS:
+                    self._pending[key] = [_merge(pending)]
         self._ready.set()
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -283,8 +292,9 @@ class RequestStream:
             while self._unfinished:
                 await self._ready.wait()
                 self._ready.clear()
-                items, self._pending = list(self._pending.values()), {}
-                for item in items:
+                pending, self._pending = list(self._pending.values()), {}
+                for deltas in pending:
+                    item = deltas[0] if len(deltas) == 1 else _merge(deltas)
                     if item.finished:
                         self._unfinished.discard(item.request_id)
                     yield item
@@ -301,14 +311,17 @@ class RequestStream:
         self._loop._forget(self)
 
 
-def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    ca, cb = a.outputs[0], b.outputs[0]
+def _merge(deltas: list[RequestOutput]) -> RequestOutput:
+    """Consecutive DELTA outputs of one sequence as one."""
+    last = deltas[-1]
+    completions = [d.outputs[0] for d in deltas]
     c = dataclasses.replace(
-        cb, token_ids=ca.token_ids + cb.token_ids,
-        logprobs=None if cb.logprobs is None else (ca.logprobs or []) + cb.logprobs)
-    c.text = ca.text + cb.text
-    return dataclasses.replace(b, outputs=[c],
-                               prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs)
+        completions[-1], token_ids=[t for x in completions for t in x.token_ids],
+        logprobs=None if completions[-1].logprobs is None
+        else [lp for x in completions for lp in x.logprobs or []])
+    c.text = "".join(x.text for x in completions)
+    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None)
+    return dataclasses.replace(last, outputs=[c], prompt_logprobs=prompt_logprobs)
 
 
 class EngineLoop:
