@@ -21,6 +21,7 @@ on the pipe's end of file between steps, or at once by the kernel's parent-death
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -59,6 +60,7 @@ class EngineProcess:
         self.process.start()
         child_conn.close()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
         self._stopping = False
         self.info: EngineInfo | None = None
 
@@ -81,7 +83,9 @@ class EngineProcess:
         """Start carrying; ``on_event`` is called on ``loop``."""
         self._loop, self._on_event = loop, on_event
         loop.add_reader(self._conn.fileno(), self._read)
-        threading.Thread(target=self._write, name="rung-engine-writer", daemon=True).start()
+        self._writer = threading.Thread(target=self._write, name="rung-engine-writer",
+                                        daemon=True)
+        self._writer.start()
 
     def send(self, command: Command) -> None:
         self._commands.put(command)
@@ -90,7 +94,11 @@ class EngineProcess:
         """Ask the child to stop; kill it if it has not within ``timeout_s``."""
         self._stopping = True
         if self.process.is_alive():
-            self._commands.put(("stop",))
+            if self._writer is None:        # never started (a failed or cut start-up)
+                with contextlib.suppress(OSError, ValueError):
+                    self._conn.send(("stop",))
+            else:
+                self._commands.put(("stop",))
             self.process.join(timeout_s)
         if self.process.is_alive():
             logger.warning("the engine process did not stop within %.1f s: killing it",
@@ -123,7 +131,7 @@ class EngineProcess:
             try:
                 self._conn.send(command)
             except (OSError, ValueError):
-                return              # the child is gone: the reader reports it
+                return              # the child is gone: `_read` reports it
 
 
 # --- the child ---------------------------------------------------------------------------------
