@@ -13,6 +13,11 @@ to first token and the inter-token latency of every stream (the server's as the 
 sees them over HTTP; `LLM.generate`'s from a step listener) and the server's overhead,
 1 - serve tokens/s / generate tokens/s. The client is a few lines of asyncio HTTP, so the
 figure is the server's cost, not a heavy client's.
+
+The server runs its engine in a process of its own (its default); ``--engine-in-process``
+benchmarks a server with the engine on a thread of its own process instead, and
+``--compare-engine-in-process`` runs both servers side by side, each round running
+generate, then the two servers in an order that alternates from round to round.
 """
 
 from __future__ import annotations
@@ -66,26 +71,36 @@ def run_serve_bench(args: argparse.Namespace, build_llm: Callable[..., LLM],
     vocab = llm.engine.runner.vocab_size
     # NOTE: a SIGTERM to the bench unwinds through `finally`, so the server goes too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    server = _ServerProcess(engine_argv, args.threads)
+    servers: dict[str, _ServerProcess] = {}
     records = []
     try:
+        for name, flags in _server_variants(args).items():
+            threads = args.threads
+            if "--engine-in-process" not in flags and args.engine_process_threads:
+                threads = args.engine_process_threads
+            servers[name] = _ServerProcess(engine_argv + flags, threads)
         warm = _prompts(0, 2, args.input_len, vocab)
         _generate_round(llm, warm, 4)
-        asyncio.run(_serve_round(server.port, warm, 4))
+        for server in servers.values():
+            asyncio.run(_serve_round(server.port, warm, 4))
         for count in counts:
-            rounds: list[tuple[dict, dict]] = []
+            rounds: list[dict[str, dict]] = []
             for r in range(args.rounds):
                 if time.monotonic() - start > args.time_cap:
                     break
                 prompts = _prompts(1000 * count + r + 1, count, args.input_len, vocab)
-                gen = _generate_round(llm, prompts, args.output_len)
-                srv = asyncio.run(_serve_round(server.port, prompts, args.output_len))
-                rounds.append((gen, srv))
+                rnd = {"generate": _generate_round(llm, prompts, args.output_len)}
+                order = list(servers) if r % 2 == 0 else list(reversed(servers))
+                for name in order:
+                    rnd[name] = asyncio.run(_serve_round(servers[name].port, prompts,
+                                                         args.output_len))
+                rounds.append(rnd)
             if rounds:
                 records.append(_record(count, rounds))
                 print(_line(records[-1]), flush=True)
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
     env["loadavg_end"] = loadavg()
     print(f"model {args.model}: input {args.input_len}, output {args.output_len}, "
           f"{args.rounds} rounds per stream count (generate, serve interleaved), "
@@ -94,6 +109,15 @@ def run_serve_bench(args: argparse.Namespace, build_llm: Callable[..., LLM],
         with open(args.json, "w") as f:
             json.dump({"env": env, "records": records}, f, indent=2)
     return 0
+
+
+def _server_variants(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The servers to run, by the name their figures carry, and their extra flags."""
+    if getattr(args, "compare_engine_in_process", False):
+        return {"serve": [], "serve_in_process": ["--engine-in-process"]}
+    if getattr(args, "engine_in_process", False):
+        return {"serve": ["--engine-in-process"]}
+    return {"serve": []}
 
 
 def _prompts(seed: int, count: int, input_len: int, vocab: int) -> list[list[int]]:
@@ -224,27 +248,36 @@ def _round(wall: float, num_tokens: int, t0: float,
             "ttft": ttft, "itl": itl}
 
 
-def _record(count: int, rounds: list[tuple[dict, dict]]) -> dict[str, Any]:
+def _record(count: int, rounds: list[dict[str, dict]]) -> dict[str, Any]:
+    """``rounds``: per round, each variant's figures by name ("generate", "serve", ...)."""
     rec: dict[str, Any] = {"streams": count, "rounds": len(rounds)}
-    for i, name in enumerate(("generate", "serve")):
-        part = [r[i] for r in rounds]
+    for name in rounds[0]:
+        part = [r[name] for r in rounds]
         rec[f"{name}_tokens_per_s"] = statistics.median(p["tokens_per_s"] for p in part)
         rec[f"{name}_num_tokens"] = sum(p["num_tokens"] for p in part)
         rec.update(percentiles_ms([x for p in part for x in p["ttft"]], f"{name}_ttft"))
         itl = [x for p in part for x in p["itl"]]
         if itl:
             rec.update(percentiles_ms(itl, f"{name}_itl"))
-    # NOTE: the overhead is the median over rounds of each round's own ratio (A B pairs)
-    rec["serve_overhead_per_round"] = [1 - srv["tokens_per_s"] / gen["tokens_per_s"]
-                                       for gen, srv in rounds]
-    rec["serve_overhead"] = statistics.median(rec["serve_overhead_per_round"])
+        if name == "generate":
+            continue
+        # NOTE: the overhead is the median over rounds of each round's own ratio (A B pairs)
+        per_round = [1 - r[name]["tokens_per_s"] / r["generate"]["tokens_per_s"]
+                     for r in rounds]
+        rec[f"{name}_overhead_per_round"] = per_round
+        rec[f"{name}_overhead"] = statistics.median(per_round)
     return rec
 
 
 def _line(r: dict[str, Any]) -> str:
-    itl = lambda name: f"{r.get(f'{name}_itl_ms_p50', float('nan')):6.1f}"  # noqa: E731
-    return (f"{r['streams']:>3} streams: tokens/s generate {r['generate_tokens_per_s']:8.1f}"
-            f" serve {r['serve_tokens_per_s']:8.1f} (overhead {100 * r['serve_overhead']:+.1f}%)"
-            f" | TTFT p50 ms generate {r['generate_ttft_ms_p50']:7.1f} serve "
-            f"{r['serve_ttft_ms_p50']:7.1f} | ITL p50 ms generate {itl('generate')} serve "
-            f"{itl('serve')}")
+    def ms(key: str) -> str:
+        return f"{r.get(key, float('nan')):.1f}"
+
+    parts = [f"{r['streams']:>3} streams: tokens/s generate {r['generate_tokens_per_s']:.1f}"]
+    names = [k[:-len("_overhead")] for k in r if k.endswith("_overhead")]
+    for name in names:
+        parts.append(f"{name} {r[f'{name}_tokens_per_s']:.1f} (overhead "
+                     f"{100 * r[f'{name}_overhead']:+.1f}%)")
+    ttft = " ".join(f"{n} {ms(f'{n}_ttft_ms_p50')}" for n in ["generate", *names])
+    itl = " ".join(f"{n} {ms(f'{n}_itl_ms_p50')}" for n in ["generate", *names])
+    return f"{', '.join(parts)} | TTFT p50 ms {ttft} | ITL p50 ms {itl}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from typing import Any
 
@@ -26,6 +27,10 @@ def add_serve(sub: Any) -> None:
                             "(default: no limit)")
     serve.add_argument("--chat-template", default=None,
                        help="a Jinja chat template file, instead of the model's own")
+    serve.add_argument("--engine-in-process", action="store_true",
+                       help="run the engine on a thread of the HTTP server's process "
+                            "(debugging; vLLM: VLLM_ENABLE_V1_MULTIPROCESSING=0) instead of "
+                            "a process of its own")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM before "
                             "they are cut (finish_reason 'abort')")
@@ -101,6 +106,14 @@ def _add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads, here and in the server")
     p.add_argument("--json", default=None, help="also write every figure here")
+    p.add_argument("--engine-in-process", action="store_true",
+                   help="benchmark a server whose engine runs on a thread of its own process")
+    p.add_argument("--compare-engine-in-process", action="store_true",
+                   help="run both servers (engine process, engine in process) round by round")
+    p.add_argument("--engine-process-threads", type=int, default=None,
+                   help="torch threads of a server's engine process (default: --threads); "
+                        "e.g. one less, the core left to its HTTP process as rung serve's "
+                        "own policy does")
     p.set_defaults(max_num_seqs=32)
 
 
@@ -131,10 +144,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           api_key=args.api_key or None, max_queue=args.max_queue,
                           chat_template=template, shutdown_timeout_s=args.shutdown_timeout,
                           limits=_limits(args))
-    llm = build_llm(args)
-    return run_server(llm.engine, config, args.host, args.port, args.uvicorn_log_level,
+    transport = _engine_transport(args)
+    return run_server(transport, config, args.host, args.port, args.uvicorn_log_level,
                       limit_concurrency=args.limit_concurrency,
                       timeout_keep_alive=args.timeout_keep_alive)
+
+
+def _engine_transport(args: argparse.Namespace) -> Any:
+    """The engine, ready: in a process of its own (the default) or in this one."""
+    if args.engine_in_process:
+        from rung.server.engine_loop import ThreadTransport
+
+        return ThreadTransport(build_llm(args).engine)
+    from rung.server.engine_process import EngineProcess
+
+    engine = EngineProcess(functools.partial(build_engine, args))
+    try:
+        engine.wait_ready()
+    except BaseException:
+        engine.stop(5.0)
+        raise
+    return engine
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    """The engine process's engine (a module-level function: it is pickled to the child)."""
+    return build_llm(args).engine
 
 
 def _limits(args: argparse.Namespace):

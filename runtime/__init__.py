@@ -11,6 +11,8 @@ _EXPORTS = {
     "SamplingParams": "rung.runtime.sampling_params",
     "RequestOutputKind": "rung.runtime.sampling_params",
     "StructuredOutputsParams": "rung.runtime.structured",
+    # checks a structured-output spec (the server's 400s, away from the engine)
+    "GrammarCompiler": "rung.runtime.structured",
     # why max_tokens cannot follow a prompt within max_model_len (server and CLI refuse)
     "context_overflow": "rung.runtime.sampling_params",
     "RequestOutput": "rung.runtime.outputs",

@@ -3,8 +3,11 @@ run, so that a busy machine slows rung gracefully instead of collapsing it.
 
 `apply_thread_policy` runs when a CPU engine starts: unless the user chose a count
 (``RUNG_NUM_THREADS``, ``OMP_NUM_THREADS``, or ``torch.set_num_threads`` to other than
-torch's default), torch runs on the cores that were free over a short sample. Compiled
-graphs are generated for that count (it is part of their cache key).
+torch's default), torch runs on the cores that were free over a short sample, less
+``RUNG_NUM_RESERVED_CORES`` (cores left to another process of the same program, e.g.
+`rung serve`'s HTTP process beside its engine process; vLLM's
+VLLM_CPU_NUM_OF_RESERVED_CPU). Compiled graphs are generated for that count (it is part
+of their cache key).
 
 OpenMP's wait policy is left as the user set it: on a busy machine the policy runs one
 thread, where no OpenMP thread waits at all, and on a quiet one OpenMP's own long spin is
@@ -22,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 POLICY_ENV = "RUNG_THREAD_POLICY"
 NUM_THREADS_ENV = "RUNG_NUM_THREADS"
+RESERVED_CORES_ENV = "RUNG_NUM_RESERVED_CORES"
 _SAMPLE_S = 0.2
 
 
@@ -72,6 +76,13 @@ def _user_threads(torch_threads: int, num_cores: int) -> tuple[int | None, str |
     return None, None
 
 
+def _reserved_cores() -> int:
+    raw = os.environ.get(RESERVED_CORES_ENV, "0")
+    if not raw.isdigit():
+        raise ValueError(f"{RESERVED_CORES_ENV}={raw!r} must be a non-negative integer")
+    return int(raw)
+
+
 def apply_thread_policy() -> int:
     """Set torch's thread count for a CPU engine; returns it."""
     import torch
@@ -87,8 +98,10 @@ def apply_thread_policy() -> int:
         return chosen
     free = free_cores()
     threads = num_cores if free is None else max(1, min(num_cores, round(free)))
+    threads = max(1, threads - _reserved_cores())
     torch.set_num_threads(threads)
-    logger.info("CPU threads: %d of %d cores (%s free at start-up; %s=N or "
+    logger.info("CPU threads: %d of %d cores (%s free at start-up, %d reserved; %s=N or "
                 "%s=off overrides)", threads, num_cores,
-                "?" if free is None else f"{free:.1f}", NUM_THREADS_ENV, POLICY_ENV)
+                "?" if free is None else f"{free:.1f}", _reserved_cores(), NUM_THREADS_ENV,
+                POLICY_ENV)
     return threads

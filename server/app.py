@@ -1,8 +1,11 @@
 """The HTTP side of `rung serve`: FastAPI routes, SSE streaming, errors, auth, shutdown.
 
 Handlers never touch the engine: they parse a request, tokenize it (the tokenizer is
-read-only), hand it to the `EngineLoop` owner and turn the DELTA outputs it delivers into
-OpenAI response bodies or server-sent events.
+read-only), hand it to the engine owner through `EngineLoop` and turn the DELTA outputs
+it delivers into OpenAI response bodies or server-sent events. The owner runs in a
+process of its own (rung.server.engine_process) or, with ``--engine-in-process``, on a
+thread of this one; if it dies, every request in flight gets a 500, /health a 503, and
+the server exits non-zero so that whoever runs it restarts it.
 """
 
 from __future__ import annotations
@@ -25,12 +28,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rung.runtime import LLMEngine, SamplingParams
-from rung.server.engine_loop import (
-    EngineLoop,
-    QueueFull,
-    RequestStream,
-)
+from rung.runtime import SamplingParams
+from rung.server.engine_loop import EngineDead, EngineLoop, QueueFull, RequestStream
 from rung.server.limits import ServerLimits, read_body
 from rung.server.metrics import ServerMetrics
 from rung.server.prepare import Preparer
@@ -76,12 +75,13 @@ class _Server:
     """What the routes share: the engine owner, the request preparer, the config, the
     metrics."""
 
-    def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
-        self.engine_loop = EngineLoop(engine, config.max_queue)
-        self.preparer = Preparer(engine, config.model_name, config.chat_template,
+    def __init__(self, transport: Any, config: ServerConfig) -> None:
+        self.engine_loop = EngineLoop(transport, config.max_queue)
+        info = self.engine_loop.info
+        self.preparer = Preparer(info, config.model_name, config.chat_template,
                                  config.limits)
-        self.max_model_len = engine.max_model_len
-        self.model_path = engine.config.model
+        self.max_model_len = info.max_model_len
+        self.model_path = info.model_path
         self.config = config
         self.metrics = ServerMetrics(config.model_name)
         self.draining = False
@@ -94,13 +94,17 @@ class _Server:
             return await self.engine_loop.submit(prompts, params, prefix)
         except QueueFull as e:
             raise HTTPError(503, f"server busy: {e}") from None
+        except EngineDead as e:
+            raise HTTPError(503, f"{e}; the server is exiting") from None
         except ValueError as e:
             raise BadRequest(str(e), param_of(str(e))) from None
 
 
 # --- app ----------------------------------------------------------------------------------------
-def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
-    server = _Server(engine, config)
+def build_app(transport: Any, config: ServerConfig) -> FastAPI:
+    """``transport``: the engine owner's (rung.server.engine_loop.ThreadTransport or
+    rung.server.engine_process.EngineProcess, ready)."""
+    server = _Server(transport, config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -135,9 +139,13 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def bad_request(request: Request, exc: BadRequest) -> JSONResponse:
         return _error(HTTPError(400, str(exc), exc.param))
 
-    @app.get("/health", responses={503: {"model": dict, "description": "shutting down"}})
+    @app.get("/health", responses={503: {"model": dict,
+                                         "description": "shutting down, or the engine died"}})
     async def health() -> JSONResponse:
-        stats = await server.engine_loop.stats()
+        try:
+            stats = await server.engine_loop.stats()
+        except EngineDead as e:
+            return JSONResponse({"status": "engine_dead", "error": str(e)}, status_code=503)
         body = {"status": "draining" if server.draining else "ok",
                 "num_running": stats["num_running"], "num_waiting": stats["num_waiting"],
                 "kv_free_blocks": stats["kv_free_blocks"],
@@ -149,7 +157,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
              responses={200: {"content": {"text/plain": {}},
                               "description": "Prometheus text format"}})
     async def metrics() -> Response:
-        stats = await server.engine_loop.stats()
+        try:
+            stats = await server.engine_loop.stats()
+        except EngineDead as e:
+            raise HTTPError(503, str(e)) from None
         return Response(server.metrics.render(stats),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -358,6 +369,7 @@ def _sse(events: AsyncIterator[str]) -> StreamingResponse:
 
 GIL_SWITCH_INTERVAL_S = 0.0005
 _CLOSE_GRACE_S = 1.0      # after the drain: cut streams get this long to reach their client
+_DEAD_HEALTH_S = 0.5      # the engine died: /health answers 503 at least this long
 
 # --- running ------------------------------------------------------------------------------------
 class _GracefulServer(uvicorn.Server):
@@ -375,6 +387,23 @@ class _GracefulServer(uvicorn.Server):
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets)
         self._sweeper = asyncio.ensure_future(self._sweep_slow_heads())
+        engine_loop = self.rung.engine_loop
+        engine_loop.on_dead = lambda _: asyncio.ensure_future(self._exit_dead())
+        if engine_loop.dead is not None:        # it died while the server started
+            asyncio.ensure_future(self._exit_dead())
+
+    async def _exit_dead(self) -> None:
+        """The engine died: the requests in flight have their 500 (give it the grace to
+        reach their clients), then exit; run_server returns non-zero."""
+        self.rung.draining = True
+        start = time.monotonic()
+        # NOTE: at least _DEAD_HEALTH_S, so a health probe sees the 503 before the exit
+        while time.monotonic() - start < _CLOSE_GRACE_S and (
+                self._answering() or time.monotonic() - start < _DEAD_HEALTH_S):
+            await asyncio.sleep(0.02)
+        for connection in self._answering():
+            connection.transport.abort()
+        self.should_exit = True
 
     async def _sweep_slow_heads(self) -> None:
         timeout_s = self.rung.config.limits.request_header_timeout_s
@@ -411,7 +440,8 @@ class _GracefulServer(uvicorn.Server):
             await asyncio.sleep(0.05)
         if engine_loop.num_requests_in_flight:
             cut = engine_loop.num_requests_in_flight
-            await engine_loop.abort_all()
+            with contextlib.suppress(EngineDead):     # then they have their 500 already
+                await engine_loop.abort_all()
             logger.warning("shutdown: cut %d request(s) still running (finish_reason "
                            "'abort')", cut)
         deadline = time.monotonic() + _CLOSE_GRACE_S
@@ -435,10 +465,11 @@ class _GracefulServer(uvicorn.Server):
                 and not getattr(c.cycle, "response_complete", True)]
 
 
-def run_server(engine: LLMEngine, config: ServerConfig, host: str, port: int,
+def run_server(transport: Any, config: ServerConfig, host: str, port: int,
                log_level: str = "info", limit_concurrency: int | None = None,
                timeout_keep_alive: float = 5.0) -> int:
-    app = build_app(engine, config)
+    """Serve until SIGTERM (0) or until the engine dies (1)."""
+    app = build_app(transport, config)
     # NOTE: the engine thread gives the GIL up around every torch op and must take it back
     # from whoever holds it (the event loop, a preparing worker); with the default 5 ms
     # interval a busy neighbour makes every step wait that long many times over
@@ -453,5 +484,9 @@ def run_server(engine: LLMEngine, config: ServerConfig, host: str, port: int,
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", config.model_name,
                 host, port)
     server.run()
+    dead = app.state.server.engine_loop.dead
+    if dead is not None:
+        logger.error("%s: exiting with status 1", dead)
+        return 1
     return 0
 

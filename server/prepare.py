@@ -4,11 +4,10 @@
 Everything whose cost grows with a request runs here, in a worker thread of `Preparer`'s
 pool, never on the event loop: JSON parsing and validation, the operator limits, the chat
 template (a request's own one in a sandbox process, under a deadline) and tokenizing. The
-engine owner only receives prompts already tokenized and checked against
-``max_model_len``; detokenizing
-happens in the engine's own step, also beside the loop. NOTE: this is the part that moves
-beside the engine when the engine gets a process of its own: its inputs are bytes, its
-outputs plain data.
+engine only receives prompts already tokenized and checked against ``max_model_len``;
+detokenizing happens in the engine's own step, in the engine's process. It needs only
+the engine's `EngineInfo` (tokenizer, limits), so it runs in the HTTP process whether the
+engine shares it or not.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from rung.runtime import (
     context_overflow,
 )
 from rung.server import limits as limits_mod
+from rung.server.engine_loop import EngineInfo
 from rung.server.limits import ServerLimits
 from rung.server.protocol import (
     BadRequest,
@@ -57,16 +57,16 @@ class Prepared:
 class Preparer:
     """Parses, checks, templates and tokenizes requests in a small thread pool."""
 
-    def __init__(self, engine: Any, model_name: str, chat_template: str | None,
+    def __init__(self, info: EngineInfo, model_name: str, chat_template: str | None,
                  limits: ServerLimits, num_workers: int = 2) -> None:
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.runner.vocab_size
-        self.model_path = engine.config.model
+        self.tokenizer = info.tokenizer
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.model_path = info.model_path
         self.model_name = model_name
         self.chat_template = chat_template
         self.limits = limits
-        self.grammars = engine.grammars
+        self.grammars = info.grammars
         self.pool = concurrent.futures.ThreadPoolExecutor(num_workers,
                                                           thread_name_prefix="rung-prepare")
         # NOTE: requests with their own template wait here, one at a time (the renderer
@@ -209,7 +209,8 @@ class Preparer:
     def _compile_grammar(self, req: Any, params: SamplingParams, field: str | None = None
                          ) -> None:
         """A bad schema / regex / grammar is the client's 400, found here (the compile is
-        cached: the engine's own submit finds it done)."""
+        cached: an engine in this process finds it done; one in its own process compiles
+        it again)."""
         spec = params.structured_outputs
         if spec is None:
             return

@@ -35,7 +35,8 @@ FAULT_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]      # token ids whose step fails in the
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 # the main server: rung's CLI, with ModelRunner.execute failing on batches that hold
-# FAULT_PROMPT (an engine failure the server must survive)
+# FAULT_PROMPT (an engine failure the server must survive). NOTE: a script file, its patch
+# at the top level: the engine's spawned process imports it again as its main module
 _SERVE_WITH_FAULT = f"""
 import sys
 from rung.runtime.worker.model_runner import ModelRunner
@@ -45,8 +46,9 @@ def execute(self, sched, *args, **kwargs):
         raise RuntimeError("injected fault")
     return _execute(self, sched, *args, **kwargs)
 ModelRunner.execute = execute
-from rung.cli.main import main
-sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":
+    from rung.cli.main import main
+    sys.exit(main(sys.argv[1:]))
 """
 
 
@@ -61,7 +63,11 @@ class Server:
                  max_model_len: int = MAX_MODEL_LEN) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        code = ["-c", _SERVE_WITH_FAULT] if fault else ["-m", "rung.cli.main"]
+        code = ["-m", "rung.cli.main"]
+        if fault:
+            script = tmp_path / "serve_with_fault.py"
+            script.write_text(_SERVE_WITH_FAULT)
+            code = [str(script)]
         self.log = open(tmp_path / f"server-{self.port}.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, *code, "serve", "--model", model, "--enforce-eager",
@@ -340,8 +346,9 @@ def test_a_client_that_hangs_up_mid_stream_frees_its_kv_blocks(server):
 
 
 def test_api_key_full_queue_and_sigterm(tmp_path):
+    # NOTE: the engine on the server's own thread (--engine-in-process) keeps that path tested
     s = Server(tmp_path, "--api-key", "secret", "--max-num-seqs", "1", "--max-queue", "0",
-               "--shutdown-timeout", "0.2")
+               "--shutdown-timeout", "0.2", "--engine-in-process")
     try:
         with pytest.raises(openai.AuthenticationError):
             s.client().models.list()

@@ -18,7 +18,8 @@ def _fresh(code: str, **env: str) -> dict:
     """Run ``code`` in a fresh interpreter (OpenMP not loaded yet); its last line is JSON."""
     clean = {k: v for k, v in os.environ.items()
              if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS",
-                          "RUNG_NUM_THREADS", "RUNG_THREAD_POLICY")}
+                          "RUNG_NUM_THREADS", "RUNG_THREAD_POLICY",
+                          "RUNG_NUM_RESERVED_CORES")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, env={**clean, **env}, cwd="/")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -33,7 +34,11 @@ seen = {}
 for name, free, env in [("busy", 0.3, {}), ("quiet", float(cores), {}),
                         ("half", cores / 2, {}), ("chosen", 0.3, {"RUNG_NUM_THREADS": "2"}),
                         ("omp", float(cores), {"OMP_NUM_THREADS": "1"}),
-                        ("off", 0.3, {"RUNG_THREAD_POLICY": "off"})]:
+                        ("off", 0.3, {"RUNG_THREAD_POLICY": "off"}),
+                        ("reserved", float(cores), {"RUNG_NUM_RESERVED_CORES": "1"}),
+                        ("reserved_busy", 0.3, {"RUNG_NUM_RESERVED_CORES": "1"}),
+                        ("reserved_chosen", 0.3, {"RUNG_NUM_RESERVED_CORES": "1",
+                                                  "RUNG_NUM_THREADS": "2"})]:
     torch.set_num_threads(cores)    # torch's own default: no application choice
     tp.free_cores = lambda: free
     os.environ.update(env)
@@ -55,6 +60,11 @@ def test_threads_follow_the_free_cores_unless_the_user_chose():
     assert seen["chosen"] == 2            # RUNG_NUM_THREADS, whatever is free
     assert seen["omp"] == 1
     assert seen["off"] == cores
+    # a core left to another process (rung serve's HTTP process), never below one thread,
+    # and never over the user's own count
+    assert seen["reserved"] == max(1, cores - 1)
+    assert seen["reserved_busy"] == 1
+    assert seen["reserved_chosen"] == 2
 
 
 def test_an_application_thread_count_is_left_alone(monkeypatch, caplog):
