@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from rung.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
 from rung.runtime.outputs import Logprob
@@ -268,8 +268,7 @@ def _stop_buffer_length(params: SamplingParams) -> int:
     return max(map(len, params.stop)) - 1
 
 
-@dataclasses.dataclass(frozen=True)
-class Commit:
+class Commit(NamedTuple):
     """What one step produced for one request (`Request.commit`'s arguments)."""
 
     request: Request
