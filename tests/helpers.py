@@ -1,7 +1,7 @@
 """Helpers the tests share (tests import from here, never from another test module).
 
 - HF transformers as the numerical oracle: tiny random models saved to a folder, greedy
-  continuations and logprobs to hold rung to;
+  continuations and logprobs to hold rung to, and rung's own greedy run on such a folder;
 - attention batches that keep the descriptor contract, for kernel tests;
 - a Gemma 4 target with its MTP assistant (HF), and HF's drafter loop.
 """
@@ -34,6 +34,22 @@ def save_hf_model(model, folder) -> str:
 def random_prompts(vocab_size: int, lens=PROMPT_LENS, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lens]
+
+
+def run_greedy(folder: str, prompts: list[list[int]], num_tokens: int, **kwargs):
+    """(llm, outputs) of rung on an HF folder in fp32 on CPU: ``num_tokens`` greedy tokens
+    per prompt with their logprobs, a 32-token step budget (so long prompts prefill in
+    chunks); every KV block is back in the pool afterwards."""
+    from rung.runtime import LLM, SamplingParams
+
+    llm = LLM(folder, dtype="float32", device="cpu", max_num_seqs=4,
+              max_num_batched_tokens=32, max_model_len=128, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, min_tokens=num_tokens,
+                            logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    stats = llm.engine.stats()
+    assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
+    return llm, outs
 
 
 @torch.no_grad()

@@ -9,6 +9,7 @@ from helpers import (
     assert_matches_hf,
     hf_family_model,
     random_prompts,
+    run_greedy,
     save_hf_model,
 )
 
@@ -25,24 +26,14 @@ def hf_folder(request, tmp_path_factory):
     return model, save_hf_model(model, tmp_path_factory.mktemp(request.param))
 
 
-def _run(folder, prompts, **kwargs):
-    llm = LLM(folder, dtype="float32", device="cpu", max_num_seqs=4,
-              max_num_batched_tokens=32, max_model_len=128, **kwargs)
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS,
-                            logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    stats = llm.engine.stats()
-    assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
-    return llm, outs
-
-
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 def test_matches_hf(hf_folder, enforce_eager, debug_padding):
     model, folder = hf_folder
     prompts = random_prompts(VOCAB)
     graphs = {} if enforce_eager else {
         "compilation_config": {"cudagraph_capture_sizes": [4]}}
-    llm, outs = _run(folder, prompts, enforce_eager=enforce_eager, **graphs)
+    llm, outs = run_greedy(folder, prompts, NUM_TOKENS, enforce_eager=enforce_eager,
+                           **graphs)
     if not enforce_eager:
         assert llm.engine.stats()["graph_replays"], "no step replayed a graph"
     assert_matches_hf(model, outs, prompts, NUM_TOKENS)

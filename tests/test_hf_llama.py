@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import assert_matches_hf, random_prompts, save_hf_model
+from helpers import assert_matches_hf, random_prompts, run_greedy, save_hf_model
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rung.runtime import LLM, SamplingParams
@@ -30,21 +30,10 @@ def hf_model_dir(request, tmp_path_factory):
     return model, folder
 
 
-def _run(folder, prompts, **kwargs):
-    llm = LLM(folder, dtype="float32", device="cpu", max_num_seqs=4,
-              max_num_batched_tokens=32, max_model_len=128, **kwargs)
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS,
-                            logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    stats = llm.engine.stats()
-    assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
-    return outs
-
-
 def test_eager_matches_hf(hf_model_dir):
     hf_model, folder = hf_model_dir
     prompts = random_prompts(COMMON["vocab_size"])
-    outs = _run(folder, prompts, enforce_eager=True)
+    _, outs = run_greedy(folder, prompts, NUM_TOKENS, enforce_eager=True)
     assert_matches_hf(hf_model, outs, prompts, NUM_TOKENS)
 
 
