@@ -631,22 +631,26 @@ void GGUF_FN(gguf_round)(const float *x, int64_t M, int64_t K, int type, int8_t 
 /* ---- float32 weights: out = x @ w^T for a few activation rows (decode) ----
  * Each output element is one dot product of an activation row and a weight row, summed in
  * 16 lanes over 16-float steps of k in order (one 512-bit register, or two 256-bit ones),
- * the lanes l and l + 8 added, one horizontal sum, then the k % 16 tail in order: fixed by K alone, whatever the tile,
- * thread split or ISA build (the same INVARIANT as above). Bound by the weight stream: each
- * weight row streams once per tile of up to 4 activation rows, prefetched PREFETCH_AHEAD
- * bytes ahead, once per cache line. */
+ * the lanes l and l + 8 added, one horizontal sum, then the k % 16 tail in order: fixed
+ * by K alone, whatever the tile, thread split or ISA build (the same INVARIANT as above).
+ * Bound by the weight stream: each weight row streams once per tile of up to 4 activation
+ * rows, prefetched PREFETCH_AHEAD bytes ahead, once per cache line.
+ * NOTE: one weight row at a time: the weight is read as one sequential stream (several
+ * rows at once, as the quantized tiles do, read measurably slower in fp32). */
 #ifdef GGUF_VNNI
 /* 16 lanes: lane l holds k = l (mod 16); its halves added are the AVX2 path's lo + hi */
 typedef __m512 f32_acc;
 #define ACC_ZERO() _mm512_setzero_ps()
 #define ACC_LOAD(p) _mm512_loadu_ps(p)
 #define ACC_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define ACC_HALVES(v) _mm256_add_ps(_mm512_castps512_ps256(v), \
-                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
+#define ACC_HALVES(v) _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps( \
+                                    _mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
 #else
 /* two sets of 8 lanes: lo holds k = l (mod 16), hi k = l + 8 (mod 16) */
 typedef struct { __m256 lo, hi; } f32_acc;
-static inline f32_acc acc_zero(void) { f32_acc a = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return a; }
+static inline f32_acc acc_zero(void) {
+    f32_acc a = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return a;
+}
 static inline f32_acc acc_load(const float *p) {
     f32_acc a = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return a;
 }
@@ -660,48 +664,39 @@ static inline f32_acc acc_fma(f32_acc a, f32_acc b, f32_acc c) {
 #define ACC_HALVES(v) _mm256_add_ps((v).lo, (v).hi)
 #endif
 
-static inline __attribute__((always_inline)) void f32_tile(
-        int NB, int MB, const float *x, int64_t K, const float *w, int64_t N, int64_t n,
-        int64_t m0, float *out) {
-    f32_acc acc[MAX_WROWS][MAX_ROWS];
-    for (int i = 0; i < NB; ++i)
-        for (int j = 0; j < MB; ++j)
-            acc[i][j] = ACC_ZERO();
+/* weight row n against activation rows [m0, m0 + MB) */
+static inline __attribute__((always_inline)) void f32_row(
+        int MB, const float *x, int64_t K, const float *w, int64_t N, int64_t n, int64_t m0,
+        float *out) {
+    const float *row = w + n * K;
+    f32_acc acc[MAX_ROWS];
+    for (int j = 0; j < MB; ++j)
+        acc[j] = ACC_ZERO();
     const int64_t K16 = K / 16 * 16;
     for (int64_t k = 0; k < K16; k += 16) {
-        f32_acc xv[MAX_ROWS];
+        _mm_prefetch((const char *)(row + k) + PREFETCH_AHEAD, _MM_HINT_T0);
+        const f32_acc wv = ACC_LOAD(row + k);
         for (int j = 0; j < MB; ++j)
-            xv[j] = ACC_LOAD(x + (m0 + j) * K + k);
-        for (int i = 0; i < NB; ++i) {
-            const float *row = w + (n + i) * K + k;
-            _mm_prefetch((const char *)row + PREFETCH_AHEAD, _MM_HINT_T0);
-            const f32_acc wv = ACC_LOAD(row);
-            for (int j = 0; j < MB; ++j)
-                acc[i][j] = ACC_FMA(wv, xv[j], acc[i][j]);
-        }
+            acc[j] = ACC_FMA(wv, ACC_LOAD(x + (m0 + j) * K + k), acc[j]);
     }
-    for (int i = 0; i < NB; ++i)
-        for (int j = 0; j < MB; ++j) {
-            float sum = hsum(ACC_HALVES(acc[i][j]));
-            for (int64_t k = K16; k < K; ++k)
-                sum = fmaf(w[(n + i) * K + k], x[(m0 + j) * K + k], sum);
-            out[(m0 + j) * N + n + i] = sum;
-        }
+    for (int j = 0; j < MB; ++j) {
+        float sum = hsum(ACC_HALVES(acc[j]));
+        for (int64_t k = K16; k < K; ++k)
+            sum = fmaf(row[k], x[(m0 + j) * K + k], sum);
+        out[(m0 + j) * N + n] = sum;
+    }
 }
 
-#define F32_TILE(NB, MB) f32_tile(NB, MB, x, K, w, N, n, m0, out)
-
-/* NOTE: one weight row at a time: the weight is read as one sequential stream (several
- * rows at once, as the quantized tiles do, read measurably slower in fp32) */
+/* weight rows [n0, n1) against activation rows [m0, m0 + MB): each MB its own copy */
 static __attribute__((noinline)) void f32_rows(int MB, const float *x, int64_t K,
                                                const float *w, int64_t N, int64_t n0,
                                                int64_t n1, int64_t m0, float *out) {
     for (int64_t n = n0; n < n1; ++n) {
         switch (MB) {
-        case 1: F32_TILE(1, 1); break;
-        case 2: F32_TILE(1, 2); break;
-        case 3: F32_TILE(1, 3); break;
-        default: F32_TILE(1, 4); break;
+        case 1: f32_row(1, x, K, w, N, n, m0, out); break;
+        case 2: f32_row(2, x, K, w, N, n, m0, out); break;
+        case 3: f32_row(3, x, K, w, N, n, m0, out); break;
+        default: f32_row(4, x, K, w, N, n, m0, out); break;
         }
     }
 }
