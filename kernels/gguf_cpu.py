@@ -183,6 +183,14 @@ def _nibbles_in_order(values: torch.Tensor, num_rows: int, num_groups: int) -> t
     return torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1)
 
 
+def _pairs_in_order(packed: torch.Tensor, num_rows: int, num_super: int) -> torch.Tensor:
+    """Q2_K / Q3_K 2-bit values [N, S * 64] bytes -> [N, S, 2, 4, 32] uint8: per
+    super-block two halves of 128 weights, quarter k of a half in bits 2k, 2k + 1 of the
+    half's 32 bytes."""
+    halves = packed.reshape(num_rows, num_super, 2, 1, 32)
+    return (halves >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 0x03
+
+
 def _bits_in_order(packed: torch.Tensor) -> torch.Tensor:
     """[..., B] bytes -> [..., 8 B] of their bits, bit j of byte i at 8 i + j (little end)."""
     shifts = torch.arange(8, dtype=torch.uint8)
@@ -286,8 +294,7 @@ def dequantize_fp64(weight: GGUFBlockWeight) -> torch.Tensor:
     if t == "Q2_K":
         # quarter k of a half takes bits 2k, 2k + 1 of its 32 bytes; a byte of scales per
         # 16 weights holds sc (low nibble) and mn (high)
-        pairs = rows[:, :8 * G].reshape(num_rows, S, 2, 1, 32)
-        q = (pairs >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 0x03
+        q = _pairs_in_order(rows[:, :8 * G], num_rows, S)
         packed = rows[:, 8 * G:10 * G].double().reshape(num_rows, S, 16)
         sc, mn = torch.remainder(packed, 16), torch.div(packed, 16, rounding_mode="floor")
         d, dmin = f16(10 * G, S)[..., None], f16(10 * G + 2 * S, S)[..., None]    # [N, S, 1]
@@ -297,8 +304,7 @@ def dequantize_fp64(weight: GGUFBlockWeight) -> torch.Tensor:
     if t == "Q3_K":
         # per super-block two halves of 128 weights; quarter k of a half takes bits 2k,
         # 2k + 1 of its 32 low bytes, less 4 where bit 4 h + k of the high byte is clear
-        low = rows[:, :8 * G].reshape(num_rows, S, 2, 1, 32)
-        low = (low >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 0x03
+        low = _pairs_in_order(rows[:, :8 * G], num_rows, S)
         high = _bits_in_order(rows[:, 8 * G:12 * G].reshape(num_rows, S, 32, 1)) \
             .reshape(num_rows, S, 32, 8).permute(0, 1, 3, 2).reshape(num_rows, S, 2, 4, 32)
         q = low.long() - 4 * (1 - high.long())

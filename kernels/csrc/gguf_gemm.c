@@ -374,21 +374,18 @@ static inline __attribute__((always_inline)) __m256i decode_group(
         return _mm256_or_si256(q4, _mm256_and_si256(
             _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), _mm256_set1_epi8(0x10)));
     }
-    if (type == Q2_K)   /* group gi: half gi / 4, bits 2 (gi % 4), +1 of its 32 bytes */
-        return _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(
+    if (type == Q2_K || type == Q3_K) {
+        /* group gi of super-block s: half gi / 4, quarter k = gi % 4: bits 2k, 2k + 1 of
+         * the half's 32 bytes of pairs; Q3_K less 4 where bit gi of its high bytes is clear */
+        const __m256i pairs = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(
             (const __m256i *)(row + 64 * s + 32 * (gi / 4))), shift_count(2 * (int)(gi % 4))),
             _mm256_set1_epi8(0x03));
-    if (type == Q3_K) {
-        /* group gi of super-block s: half gi / 4, quarter k = gi % 4: bits 2k, 2k + 1 of
-         * the half's 32 low bytes, less 4 where bit gi of the high bytes is clear */
-        const int k = (int)(gi % 4);
-        const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(
-            (const __m256i *)(row + 64 * s + 32 * (gi / 4))), shift_count(2 * k)),
-            _mm256_set1_epi8(0x03));
+        if (type == Q2_K)
+            return pairs;
         const __m256i h = _mm256_loadu_si256((const __m256i *)(row + 8 * G + 32 * s));
         const __m256i bit = _mm256_set1_epi8((char)(1 << gi));
         const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
-        return _mm256_sub_epi8(lo, _mm256_andnot_si256(set, _mm256_set1_epi8(4)));
+        return _mm256_sub_epi8(pairs, _mm256_andnot_si256(set, _mm256_set1_epi8(4)));
     }
     /* Q6_K: group gi of super-block s is half gi / 4, quarter k = gi % 4 */
     const int k = (int)(gi % 4);
