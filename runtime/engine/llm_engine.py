@@ -259,15 +259,18 @@ class LLMEngine:
                 req.add_prompt_logprobs(*result.prompt_logprobs[req.request_id])
             commits.append(Commit(req, new, s.num_new_tokens - s.num_spec_tokens + num_accepted,
                                   result.logprobs.get(req.request_id)))
-        slots: list[Request | RequestOutput] = []      # running requests, finished outputs
+        reported, finished = [], []
         for commit, (num_kept, reason) in zip(commits, commit_step(commits, self.kv)):
             self.num_generated_tokens += num_kept
             if not commit.tokens:
                 continue
-            slots.append(commit.request if reason is None else self._finish(commit.request,
-                                                                            reason))
-        made = iter(make_outputs([s for s in slots if isinstance(s, Request)]))
-        outputs = [next(made) if isinstance(s, Request) else s for s in slots]
+            if reason is not None:
+                self._release(commit.request, reason)
+                finished.append(commit.request)
+            reported.append(commit.request)
+        outputs = make_outputs(reported)
+        for req in finished:
+            del self.requests[req.request_id]
         return [out for out in outputs if out is not None]
 
     def _propose(self, sched: SchedulerOutput, result: ModelRunnerOutput,
@@ -288,13 +291,17 @@ class LLMEngine:
             req.set_drafts(req_drafts[:max(room, 0)])
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
+        self._release(req, reason, error)
+        out = make_output(req)
+        del self.requests[req.request_id]
+        return out
+
+    def _release(self, req: Request, reason: str, error: str | None = None) -> None:
+        """``req`` finished: out of the scheduler (its KV blocks back) and counted."""
         if req in self._compiling:
             self._compiling.remove(req)
         self.scheduler.finish(req, reason, error)
         self._stats.counts[f"finished_{req.finish_reason}"] += 1
-        out = make_output(req)
-        del self.requests[req.request_id]
-        return out
 
     def _never_fits(self, req: Request) -> str:
         """Why ``req`` failed: alone in the KV cache, it still did not fit."""
