@@ -160,11 +160,11 @@ def test_embedding_lookup_decodes_the_rows_the_dequantized_table_holds(type_name
 
 
 def test_capture_check_takes_an_int8_rounding_flip_and_refuses_a_wrong_row():
-    """Per-layer graphs' capture check (graphs/cpu_compiled/per_layer.py): an artifact
+    """Compiled graphs' capture check (graphs/cpu_compiled/artifacts.py): an artifact
     whose input rounds one activation a step apart from eager's (inductor's fused norm
     differs from eager in the last bit) still goes live; a wrong row (another request's)
     does not."""
-    from rung.graphs.cpu_compiled.per_layer import reproduces_eager
+    from rung.graphs.cpu_compiled.artifacts import reproduces_eager
 
     weight = block_weight(raw_blocks("Q8_0", 256, 512, seed=3), "Q8_0", (256, 512))
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(0))

@@ -31,7 +31,12 @@ from torch import nn
 from rung.core.forward_context import ForwardContext, forward_context
 from rung.graphs.capture import CapturedGraph, ForwardOutput, memory_identity
 from rung.graphs.cpu_compiled.artifact_cache import bind_inputs
-from rung.graphs.cpu_compiled.artifacts import MIN_DYNAMIC_SIZE, ArtifactCompiler
+from rung.graphs.cpu_compiled.artifacts import (
+    MIN_DYNAMIC_SIZE,
+    ArtifactCompiler,
+    reproduces_eager,
+    rounds_activations,
+)
 from rung.graphs.cpu_compiled.direct_call import DirectCall, PlainSizes, from_handles, to_handles
 from rung.graphs.cpu_compiled.layer_specs import DecoderParts, layer_specs, layer_tensors
 from rung.kernels.attention import Attention
@@ -221,30 +226,6 @@ def rebind_layers(graph: LayeredGraph, inputs: Sequence[torch.Tensor],
     bound.artifact_key, bound.bound_as = graph.artifact_key, graph.bound_as
     return bound
 
-
-# A rounding flip moves one int8 input of a matmul by one step, 1/127 of its group's
-# largest value (at most the group's norm): its output moves by about that fraction of its
-# norm at most, far past an elementwise tolerance where outputs are large or near zero.
-# Wrong inputs (a slot, a mask, a position) are off by the row's order of magnitude.
-ROUNDED_ROW_RTOL = 1e-2
-
-
-def rounds_activations(module: torch.nn.Module) -> bool:
-    """Whether a matmul inside ``module`` rounds its input to int8 first (a module's
-    ``rounds_activations``: GGUF weights on rung's CPU kernel)."""
-    return any(getattr(m, "rounds_activations", False) is True for m in module.modules())
-
-
-def reproduces_eager(got: torch.Tensor, want: torch.Tensor, rounded: bool) -> bool:
-    """The capture check's verdict on an artifact's output ``got`` against eager's
-    ``want``: elementwise (rtol 1e-3, atol 1e-4), or, where activations were ``rounded``
-    to int8 on the way (eager and the artifact may round an input a step apart), each
-    row's difference within ``ROUNDED_ROW_RTOL`` of the row's norm."""
-    if not rounded:
-        return torch.allclose(got, want, rtol=1e-3, atol=1e-4)
-    diff = (got.float() - want.float()).reshape(-1, want.shape[-1]).norm(dim=-1)
-    bound = ROUNDED_ROW_RTOL * want.float().reshape(-1, want.shape[-1]).norm(dim=-1) + 1e-4
-    return bool((diff <= bound).all())
 
 class _Teacher:
     """The capture check of each layer's artifact against the eager layer, both fed the
