@@ -112,8 +112,8 @@ def _add_serve_bench_args(p: argparse.ArgumentParser) -> None:
                    help="run both servers (engine process, engine in process) round by round")
     p.add_argument("--engine-process-threads", type=int, default=None,
                    help="torch threads of a server's engine process (default: --threads); "
-                        "e.g. one less, the core left to its HTTP process as rung serve's "
-                        "own policy does")
+                        "e.g. one less, to see what a core left to its HTTP process "
+                        "(RUNG_NUM_RESERVED_CORES=1) costs or gains")
     p.set_defaults(max_num_seqs=32)
 
 

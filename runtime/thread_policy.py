@@ -4,9 +4,9 @@ run, so that a busy machine slows rung gracefully instead of collapsing it.
 `apply_thread_policy` runs when a CPU engine starts: unless the user chose a count
 (``RUNG_NUM_THREADS``, ``OMP_NUM_THREADS``, or ``torch.set_num_threads`` to other than
 torch's default), torch runs on the cores that were free over a short sample, less
-``RUNG_NUM_RESERVED_CORES`` (cores left to another process of the same program, e.g.
-`rung serve`'s HTTP process beside its engine process; vLLM's
-VLLM_CPU_NUM_OF_RESERVED_CPU). Compiled graphs are generated for that count (it is part
+``RUNG_NUM_RESERVED_CORES`` (cores a user leaves to other work beside the engine, e.g.
+`rung serve`'s HTTP process on a machine where its streams are many and its steps short;
+vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU). Compiled graphs are generated for that count (it is part
 of their cache key).
 
 OpenMP's wait policy is left as the user set it: on a busy machine the policy runs one

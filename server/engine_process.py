@@ -10,12 +10,13 @@ between a step and its answers).
 
 The child is spawned (a fresh interpreter: no state forked from the server), builds the
 engine with the ``make_engine`` it is given, reports ready with the `EngineInfo` the
-server prepares requests with, then runs `EngineCore`. Unless the user sets a thread
-count, its engine leaves one core to the HTTP process (RUNG_NUM_RESERVED_CORES=1). It
-ignores SIGINT and SIGTERM (the server drains, then stops it) and ends with its parent:
-on the pipe's end of file between steps, or at once by the kernel's parent-death signal
-(Linux). When the child dies, the event loop sees the pipe close and reports
-``("dead", why)``.
+server prepares requests with, then runs `EngineCore`. Its engine takes the thread count
+rung.runtime.thread_policy gives any CPU engine (the cores free at start-up, while the
+HTTP process waits for it); no core is set aside for the HTTP process, whose work per step
+is small beside a step's (RUNG_NUM_RESERVED_CORES=1 sets one aside). It ignores SIGINT
+and SIGTERM (the server drains, then stops it) and ends with its parent: on the pipe's end
+of file between steps, or at once by the kernel's parent-death signal (Linux). When the
+child dies, the event loop sees the pipe close and reports ``("dead", why)``.
 """
 
 from __future__ import annotations
@@ -139,10 +140,6 @@ def _engine_main(conn: Connection, make_engine: Callable[[], LLMEngine]) -> None
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # NOTE: a core for the HTTP process: with as many OpenMP threads as cores, its event
-    # loop is one runnable thread too many and every parallel region's barrier waits for
-    # a preempted thread (a user's own thread count still wins)
-    os.environ.setdefault("RUNG_NUM_RESERVED_CORES", "1")
     try:
         engine = make_engine()
         info = engine_info(engine, own_grammars=False)
