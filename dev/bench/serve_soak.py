@@ -184,6 +184,10 @@ def soak(args: argparse.Namespace) -> int:
           f"load {os.getloadavg()[0]:.1f}", flush=True)
     try:
         want = {p: _complete(url, p)[1] for p in PROMPTS}
+        t = time.perf_counter()
+        for p in PROMPTS:
+            _complete(url, p)
+        alone_ms = (time.perf_counter() - t) / len(PROMPTS) * 1e3
         out, latencies, stop = _Outcomes(), [], threading.Event()
         threads = [threading.Thread(target=f, args=a, daemon=True) for f, a in [
             (_hostile, (url, args.port, stop, out)),
@@ -219,6 +223,7 @@ def soak(args: argparse.Namespace) -> int:
         log.close()
     warm = min(60.0, args.soak / 2)
     base = next(s for s in series if s[0] >= warm - 1)
+    half = next(s for s in series if s[0] >= args.soak / 2 - 1)
     counts = out.snapshot()
     mismatches = counts.get("victim:mismatch", 0) + sum(
         a != (200, want[p]) for p, a in zip(PROMPTS, after))
@@ -232,14 +237,16 @@ def soak(args: argparse.Namespace) -> int:
         print(f"RSS {name}: {base[i]:.1f} MB at {base[0]:.0f} s -> {series[-1][i]:.1f} MB at "
               f"the end ({series[-1][i] - base[i]:+.1f} MB, "
               f"{(series[-1][i] / base[i] - 1) * 100:+.1f}%), max "
-              f"{max(s[i] for s in series if s[0] >= base[0]):.1f} MB after warm-up")
+              f"{max(s[i] for s in series if s[0] >= base[0]):.1f} MB after warm-up; "
+              f"{series[-1][i] - half[i]:+.1f} MB over the last half")
     whole = (health["kv_free_blocks"] == health["kv_total_blocks"]
              and health["kv_used_blocks"] == 0 and health["num_running"] == 0)
     print(f"KV pool whole: {'yes' if whole else 'NO'} ({health})")
     print(f"greedy mismatches: {mismatches} of {counts.get('victim:200', 0) + mismatches + 3}")
     print(f"5xx: {num_5xx} counted by the server, {client_5xx} seen by clients")
     print(f"victim latency: p50 {_p(latencies, 50) * 1e3:.0f} ms, p99 "
-          f"{_p(latencies, 99) * 1e3:.0f} ms over {len(latencies)} requests")
+          f"{_p(latencies, 99) * 1e3:.0f} ms over {len(latencies)} requests ({alone_ms:.0f} ms "
+          f"alone, before the soak)")
     print(f"outcomes: {counts}")
     print(f"SIGTERM: exit status {code} after {exit_s:.1f} s; tracebacks in the log: "
           f"{tracebacks}; load {os.getloadavg()[0]:.1f}")
