@@ -119,14 +119,17 @@ def _hang_up(url: str, stop: threading.Event, out: _Outcomes) -> None:
 
 
 def _victim(url: str, want: dict[str, str], stop: threading.Event, out: _Outcomes,
-            latencies: list[float]) -> None:
+            latencies: list[float], diffs: list[tuple[str, str]]) -> None:
     for prompt in itertools.cycle(PROMPTS):
         if stop.is_set():
             return
         t = time.perf_counter()
         status, text = _complete(url, prompt)
         latencies.append(time.perf_counter() - t)
-        out.add("victim", status if status != 200 or text == want[prompt] else "mismatch")
+        if status == 200 and text != want[prompt]:
+            diffs.append((prompt, text))
+            status = "mismatch"
+        out.add("victim", status)
 
 
 def _children(pid: int) -> list[int]:
@@ -146,10 +149,19 @@ def _engine_pid(server_pid: int) -> int:
     raise RuntimeError(f"server {server_pid} has no engine process")
 
 
-def _rss_mb(pid: int) -> float:
+def _rss_mb(pid: int) -> tuple[float, float]:
+    """(resident MB outside shared memory, resident shared MB). NOTE: the engine's CPU KV
+    cache is a shared anonymous map whose pages become resident as blocks are first
+    used (rung.kernels.backend.allocate_kv_cache): its growth to the pool's size is not
+    a leak, so it is counted apart."""
     with open(f"/proc/{pid}/status") as f:
-        kb = re.search(r"^VmRSS:\s+(\d+) kB", f.read(), re.M)
-    return int(kb.group(1)) / 1024 if kb else float("nan")
+        kb = dict(re.findall(r"^(VmRSS|RssShmem):\s+(\d+) kB", f.read(), re.M))
+    return (int(kb["VmRSS"]) - int(kb["RssShmem"])) / 1024, int(kb["RssShmem"]) / 1024
+
+
+def _sample(t: float, http_pid: int, engine_pid: int) -> tuple[float, float, float, float]:
+    """(s, http MB, engine MB less its KV cache, engine KV cache MB resident)."""
+    return (t, _rss_mb(http_pid)[0], *_rss_mb(engine_pid))
 
 
 def _server_5xx(url: str) -> int:
@@ -188,29 +200,29 @@ def soak(args: argparse.Namespace) -> int:
         for p in PROMPTS:
             _complete(url, p)
         alone_ms = (time.perf_counter() - t) / len(PROMPTS) * 1e3
-        out, latencies, stop = _Outcomes(), [], threading.Event()
+        out, latencies, diffs, stop = _Outcomes(), [], [], threading.Event()
         threads = [threading.Thread(target=f, args=a, daemon=True) for f, a in [
             (_hostile, (url, args.port, stop, out)),
             (_never_read, (args.port, stop, out)),
             (_hang_up, (url, stop, out)), (_hang_up, (url, stop, out)),
-            (_victim, (url, want, stop, out, latencies))]]
+            (_victim, (url, want, stop, out, latencies, diffs))]]
         for t in threads:
             t.start()
-        series = []                     # (s, http MB, engine MB)
+        series = []                     # _sample's
         start = time.monotonic()
         while (elapsed := time.monotonic() - start) < args.soak:
             stop.wait(min(SAMPLE_S, args.soak - elapsed))
-            series.append((time.monotonic() - start, _rss_mb(http_pid), _rss_mb(engine_pid)))
+            series.append(_sample(time.monotonic() - start, http_pid, engine_pid))
             recent = latencies[-20:] or [float("nan")]
             print(f"{series[-1][0]:6.0f} s  http {series[-1][1]:7.1f} MB  engine "
-                  f"{series[-1][2]:7.1f} MB  victim p50 {statistics.median(recent) * 1e3:5.0f}"
-                  f" ms  {out.snapshot()}", flush=True)
+                  f"{series[-1][2]:7.1f} MB + KV {series[-1][3]:7.1f} MB  victim p50 "
+                  f"{statistics.median(recent) * 1e3:5.0f} ms  {out.snapshot()}", flush=True)
         stop.set()
         for t in threads:
             t.join(180)
         health = _drain(url)
         after = [_complete(url, p) for p in PROMPTS]
-        series.append((time.monotonic() - start, _rss_mb(http_pid), _rss_mb(engine_pid)))
+        series.append(_sample(time.monotonic() - start, http_pid, engine_pid))
         num_5xx = _server_5xx(url)
         t = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -230,10 +242,10 @@ def soak(args: argparse.Namespace) -> int:
     client_5xx = sum(n for k, n in counts.items() if re.search(r":5\d\d$", k))
     with open(log.name) as f:
         tracebacks = f.read().count("Traceback")
-    print("\nRSS series (s, http MB, engine MB):")
-    for s, http_mb, engine_mb in series:
-        print(f"  {s:6.0f}  {http_mb:7.1f}  {engine_mb:7.1f}")
-    for i, name in ((1, "http"), (2, "engine")):
+    print("\nRSS series (s, http MB, engine MB less KV cache, engine KV cache MB):")
+    for row in series:
+        print(f"  {row[0]:6.0f}" + "".join(f"  {mb:7.1f}" for mb in row[1:]))
+    for i, name in ((1, "http"), (2, "engine less KV cache")):
         print(f"RSS {name}: {base[i]:.1f} MB at {base[0]:.0f} s -> {series[-1][i]:.1f} MB at "
               f"the end ({series[-1][i] - base[i]:+.1f} MB, "
               f"{(series[-1][i] / base[i] - 1) * 100:+.1f}%), max "
@@ -242,7 +254,11 @@ def soak(args: argparse.Namespace) -> int:
     whole = (health["kv_free_blocks"] == health["kv_total_blocks"]
              and health["kv_used_blocks"] == 0 and health["num_running"] == 0)
     print(f"KV pool whole: {'yes' if whole else 'NO'} ({health})")
+    print(f"engine KV cache resident at the end: {series[-1][3]:.1f} MB (its pages, touched "
+          f"as blocks are first used, up to the pool's size)")
     print(f"greedy mismatches: {mismatches} of {counts.get('victim:200', 0) + mismatches + 3}")
+    for prompt, text in dict(diffs).items():
+        print(f"  {prompt!r}: want {want[prompt]!r}, got {text!r}")
     print(f"5xx: {num_5xx} counted by the server, {client_5xx} seen by clients")
     print(f"victim latency: p50 {_p(latencies, 50) * 1e3:.0f} ms, p99 "
           f"{_p(latencies, 99) * 1e3:.0f} ms over {len(latencies)} requests ({alone_ms:.0f} ms "
