@@ -82,8 +82,9 @@ class Server:
                 return
             except (urllib.error.URLError, ConnectionError):
                 if time.monotonic() > deadline:
+                    output = self.output()      # NOTE: stop() closes the log
                     self.stop()
-                    raise RuntimeError(f"server did not start:\n{self.output()}") from None
+                    raise RuntimeError(f"server did not start:\n{output}") from None
                 time.sleep(0.2)
 
     def output(self) -> str:
