@@ -206,8 +206,8 @@ def soak(args: argparse.Namespace) -> int:
             (_never_read, (args.port, stop, out)),
             (_hang_up, (url, stop, out)), (_hang_up, (url, stop, out)),
             (_victim, (url, want, stop, out, latencies, diffs))]]
-        for t in threads:
-            t.start()
+        for thread in threads:
+            thread.start()
         series = []                     # _sample's
         start = time.monotonic()
         while (elapsed := time.monotonic() - start) < args.soak:
@@ -218,8 +218,8 @@ def soak(args: argparse.Namespace) -> int:
                   f"{series[-1][2]:7.1f} MB + KV {series[-1][3]:7.1f} MB  victim p50 "
                   f"{statistics.median(recent) * 1e3:5.0f} ms  {out.snapshot()}", flush=True)
         stop.set()
-        for t in threads:
-            t.join(180)
+        for thread in threads:
+            thread.join(180)
         health = _drain(url)
         after = [_complete(url, p) for p in PROMPTS]
         series.append(_sample(time.monotonic() - start, http_pid, engine_pid))
