@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 Conversation = list[dict[str, Any]]
@@ -47,8 +48,11 @@ def render_chat(template: str, messages: Conversation, add_generation_prompt: bo
 
 def apply_chat_template(tokenizer, conversation: Conversation, chat_template: str | None,
                         add_generation_prompt: bool, model: str,
-                        tools: list[dict] | None = None) -> dict:
-    """A conversation -> ``{"prompt", "prompt_token_ids"}`` for ``LLM.generate``."""
+                        tools: list[dict] | None = None,
+                        encode: Callable[[str], list[int]] | None = None) -> dict:
+    """A conversation -> ``{"prompt", "prompt_token_ids"}`` for ``LLM.generate``;
+    ``encode`` tokenizes the rendered text (default: the tokenizer, no special tokens
+    added)."""
     if tokenizer is None:
         raise ValueError(f"model {model!r} has no tokenizer to apply a chat template with")
     template = chat_template or tokenizer.chat_template
@@ -61,7 +65,9 @@ def apply_chat_template(tokenizer, conversation: Conversation, chat_template: st
                        bos_token=tokenizer.id_to_token(tokenizer.bos_token_id),
                        eos_token=tokenizer.id_to_token(tokenizer.eos_token_id), tools=tools)
     # NOTE: the template writes the special tokens it wants; encode adds none of its own.
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    ids = (tokenizer.encode(text, add_special_tokens=False) if encode is None
+           else encode(text))
+    return {"prompt": text, "prompt_token_ids": ids}
 
 
 def _check_messages(messages: Conversation) -> None:

@@ -88,6 +88,41 @@ def _join_special(tokenizer, token_ids: list[int], spaces: bool,
     return (" " if spaces else "").join(pieces)
 
 
+# a text over the limit is counted in prefixes of this many characters per allowed token,
+# doubling: a prompt that fits has fewer characters per token than this and is encoded once
+_FIRST_PREFIX_CHARS_PER_TOKEN = 8
+# NOTE: BPE encodes a prefix as it encodes the whole text except near the cut, where a
+# word cut in two may take a few tokens more: a prefix over the limit by more than this
+# is a text over it
+_CUT_MARGIN_TOKENS = 64
+
+
+class TooManyTokens(ValueError):
+    """A text has more than ``max_tokens`` tokens: its first ``num_chars`` characters
+    alone have ``num_tokens``."""
+
+    def __init__(self, num_tokens: int, num_chars: int, max_tokens: int) -> None:
+        super().__init__(f"more than {max_tokens} tokens: its first {num_chars} characters "
+                         f"alone have {num_tokens}")
+        self.num_tokens, self.num_chars, self.max_tokens = num_tokens, num_chars, max_tokens
+
+
+def encode_within(tokenizer, text: str, max_tokens: int, add_special_tokens: bool = True
+                  ) -> list[int]:
+    """``tokenizer.encode(text)``, or TooManyTokens once a prefix of ``text`` has more than
+    ``max_tokens`` tokens: a text far over the limit costs the encoding of a few times
+    ``max_tokens`` tokens, not of the whole text (a 7.2 MB prompt is 1.2M tokens, seconds
+    and most of a GB inside the tokenizer)."""
+    num_chars = _FIRST_PREFIX_CHARS_PER_TOKEN * max_tokens
+    while num_chars < len(text):
+        num_tokens = len(tokenizer.encode(text[:num_chars],
+                                          add_special_tokens=add_special_tokens))
+        if num_tokens > max_tokens + _CUT_MARGIN_TOKENS:
+            raise TooManyTokens(num_tokens, num_chars, max_tokens)
+        num_chars *= 2
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
 def load_tokenizer(folder: str, cfg: dict):
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.exists(path):

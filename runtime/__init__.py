@@ -22,6 +22,9 @@ _EXPORTS = {
     "apply_chat_template": "rung.models.chat_template",
     # one conversation -> its prompt text (no tokenizer needed)
     "render_chat": "rung.models.chat_template",
+    # a prompt's token ids, or TooManyTokens found without encoding all of a long one
+    "encode_within": "rung.models.tokenizer",
+    "TooManyTokens": "rung.models.tokenizer",
 }
 
 __all__ = list(_EXPORTS)

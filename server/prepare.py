@@ -23,8 +23,10 @@ from pydantic import BaseModel, ValidationError
 from rung.runtime import (
     SamplingParams,
     StructuredOutputsParams,
+    TooManyTokens,
     apply_chat_template,
     context_overflow,
+    encode_within,
 )
 from rung.server import limits as limits_mod
 from rung.server.engine_loop import EngineInfo
@@ -171,9 +173,11 @@ class Preparer:
                 prompt = self._render_request_template(req.chat_template, messages,
                                                        req.add_generation_prompt)
             else:
-                prompt = apply_chat_template(self.tokenizer, messages, self.chat_template,
-                                             req.add_generation_prompt, self.model_path,
-                                             tools=req.tools)
+                prompt = apply_chat_template(
+                    self.tokenizer, messages, self.chat_template, req.add_generation_prompt,
+                    self.model_path, tools=req.tools,
+                    encode=lambda text: self._encode(text, "messages",
+                                                     add_special_tokens=False))
         except TemplateTimeout:
             raise BadRequest(f"chat_template did not render within "
                              f"{self.limits.chat_template_timeout_s} s "
@@ -236,7 +240,8 @@ class Preparer:
                                     tok.id_to_token(tok.bos_token_id),
                                     tok.id_to_token(tok.eos_token_id))
         # NOTE: as apply_chat_template: the template writes the special tokens it wants
-        return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+        return {"prompt": text,
+                "prompt_token_ids": self._encode(text, "messages", add_special_tokens=False)}
 
     def _check(self, req: CompletionRequest | ChatCompletionRequest) -> None:
         self._check_model(req.model)
@@ -252,7 +257,16 @@ class Preparer:
         if self.tokenizer is None:
             raise BadRequest(f"model {self.model_path!r} has no tokenizer: send token ids",
                              field)
-        return {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
+        return {"prompt": prompt, "prompt_token_ids": self._encode(prompt, field)}
+
+    def _encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids, or a 400 as soon as a prefix of it is over max_model_len:
+        a prompt far over it costs a few max_model_len tokens of work, not its size's."""
+        try:
+            return encode_within(self.tokenizer, text, self.max_model_len, add_special_tokens)
+        except TooManyTokens as e:
+            raise BadRequest(f"{field} has {e}, longer than max_model_len="
+                             f"{self.max_model_len}", field) from None
 
     def _check_length(self, prompts: list[dict], params: SamplingParams, field: str) -> None:
         for p in prompts:

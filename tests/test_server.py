@@ -82,8 +82,9 @@ class Server:
                 return
             except (urllib.error.URLError, ConnectionError):
                 if time.monotonic() > deadline:
+                    output = self.output()      # NOTE: stop() closes the log
                     self.stop()
-                    raise RuntimeError(f"server did not start:\n{self.output()}") from None
+                    raise RuntimeError(f"server did not start:\n{output}") from None
                 time.sleep(0.2)
 
     def output(self) -> str:
@@ -493,6 +494,44 @@ def test_a_large_prompt_is_tokenized_off_the_event_loop(server):
         lambda: server.post("/v1/completions", {"model": MODEL, "prompt": prompt}))
     assert status == 400 and "max_model_len" in out["error"]["message"]
     assert worst < 0.4, f"/health took {worst:.2f} s while the prompt was tokenized"
+
+
+def _peak_rss_growth_mb(pid: int, work):
+    """How far the process's resident memory peaked above where it stood, while ``work()``
+    ran; and what ``work`` returned."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")                # Linux: the peak (VmHWM) starts again from now
+    except OSError as e:
+        pytest.skip(f"cannot reset the peak RSS: {e}")
+
+    def status() -> dict[str, int]:
+        with open(f"/proc/{pid}/status") as f:
+            return {k: int(v) for k, v in re.findall(r"^(VmHWM|VmRSS):\s+(\d+) kB", f.read(),
+                                                     re.M)}
+
+    before = status()["VmRSS"]
+    result = work()
+    return (status()["VmHWM"] - before) / 1024, result
+
+
+def test_a_prompt_far_over_max_model_len_is_refused_before_it_is_all_tokenized(server):
+    # 7.2 MB: 7.2M tokens of tiny-llama's byte tokenizer, a 58 MB list of ids when it was
+    # all tokenized (smollm2's tokenizer: 1.2M tokens, 15 s, +770 MB peak)
+    prompt = "hello world " * 600_000
+    grew, (status, out) = _peak_rss_growth_mb(
+        server.proc.pid, lambda: server.post("/v1/completions", {"model": MODEL,
+                                                                 "prompt": prompt}))
+    assert status == 400 and out["error"]["param"] == "prompt"
+    assert grew < 40, f"the HTTP process's peak RSS grew {grew:.0f} MB for one prompt"
+    assert f"more than {MAX_MODEL_LEN} tokens" in out["error"]["message"]
+    # the chat path too, and a prompt at the limit is still counted exactly
+    status, out = server.post("/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": prompt}]})
+    assert status == 400 and f"more than {MAX_MODEL_LEN} tokens" in out["error"]["message"]
+    status, out = server.post("/v1/completions", {"model": MODEL, "prompt": "x" * 1000,
+                                                  "max_tokens": 1})
+    assert status == 400 and "has 1001 tokens" in out["error"]["message"]
 
 
 def test_client_mistakes_are_openai_400s_and_404s_not_500s(server):

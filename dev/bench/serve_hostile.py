@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from typing import IO
 
 LOOP_TEMPLATE = ("{% for i in range(100000) %}{% for j in range(10000) %}{% endfor %}"
                  "{% endfor %}x")
@@ -76,24 +77,37 @@ def _attacks(url: str, port: int) -> dict:
     }
 
 
+def _start_server(args: argparse.Namespace, log: IO[bytes]) -> tuple[subprocess.Popen, str]:
+    """`rung serve` on ``args.model`` (eager), answering /health; its output to ``log``."""
+    url = f"http://127.0.0.1:{args.port}"
+    proc = subprocess.Popen([sys.executable, "-m", "rung.cli.main", "serve", "--model",
+                             args.model, "--enforce-eager", "--port", str(args.port),
+                             "--trust-request-chat-template"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2).read()
+            return proc, url
+        except (urllib.error.URLError, ConnectionError):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}") from None
+            time.sleep(0.3)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny-llama")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--port", type=int, default=8377)
+    ap.add_argument("--soak", type=float, default=None, metavar="SECONDS",
+                    help="run every attack at once for this long and check the server "
+                    "after (serve_soak.py)")
     args = ap.parse_args()
-    url = f"http://127.0.0.1:{args.port}"
-    proc = subprocess.Popen([sys.executable, "-m", "rung.cli.main", "serve", "--model",
-                             args.model, "--enforce-eager", "--port", str(args.port),
-                             "--trust-request-chat-template"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if args.soak is not None:
+        from serve_soak import soak
+        return soak(args)
+    proc, url = _start_server(args, subprocess.DEVNULL)
     try:
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2).read()
-                break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.3)
         victim = {"prompt": "The sky is", "max_tokens": 16, "temperature": 0,
                   "ignore_eos": True}
 
