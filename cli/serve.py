@@ -207,6 +207,7 @@ def _limits(args: argparse.Namespace):
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     cmd_serve_check()
+    args.graph_startup = args.graph_startup or "blocking"   # measures live graphs
     check_output_path(args.json, "--json")
     from rung.bench.serve import run_serve_bench
 

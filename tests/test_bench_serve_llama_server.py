@@ -86,6 +86,23 @@ def test_llama_server_gets_the_engines_threads_and_a_slot_per_stream(tmp_path):
     assert "--threads 2 --threads-batch 2" in seen.read_text()
 
 
+def test_both_rung_sides_measure_live_graphs(monkeypatch):
+    """Graphs built in the background would be compiling while rounds run: the bench
+    starts generate and the server with every graph live, unless told otherwise."""
+    seen = {}
+
+    def fake_run(args, build_llm, engine_argv):
+        seen.update(startup=args.graph_startup, argv=engine_argv)
+        return 0
+
+    monkeypatch.setattr("rung.bench.serve.run_serve_bench", fake_run)
+    assert main(TINY) == 0
+    assert seen["startup"] == "blocking"
+    assert "--graph-startup blocking" in " ".join(seen["argv"])
+    assert main([*TINY, "--graph-startup", "background"]) == 0
+    assert seen["startup"] == "background"
+
+
 # --- llama-server's stream, as its tools/server writes it --------------------------------------
 def _chunk(body: dict | str) -> bytes:
     data = f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n".encode()
