@@ -114,6 +114,14 @@ def _add_serve_bench_args(p: argparse.ArgumentParser) -> None:
                    help="torch threads of a server's engine process (default: --threads); "
                         "e.g. one less, to see what a core left to its HTTP process "
                         "(RUNG_NUM_RESERVED_CORES=1) costs or gains")
+    p.add_argument("--baseline", default="none", choices=["none", "llama-server"],
+                   help="llama-server: also run llama.cpp's own server on the same GGUF "
+                        "file in every round (as many slots as the largest --streams, the "
+                        "threads of rung's engine, no GPU layers) and report rung's tokens/s "
+                        "over its")
+    p.add_argument("--llama-server", default=None,
+                   help="the llama-server binary (default: $RUNG_LLAMA_SERVER, else "
+                        "llama-server on PATH)")
     p.set_defaults(max_num_seqs=32)
 
 
@@ -199,6 +207,7 @@ def _limits(args: argparse.Namespace):
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     cmd_serve_check()
+    args.graph_startup = args.graph_startup or "blocking"   # measures live graphs
     check_output_path(args.json, "--json")
     from rung.bench.serve import run_serve_bench
 
