@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from typing import Any
+
+from rung.bench.server_process import free_port, stop_process, wait_healthy
 
 BINARY_ENV = "RUNG_LLAMA_SERVER"
 _BUILD_HINT = ("build it from llama-cpp-python's sdist (its vendor/llama.cpp: cmake -B build "
@@ -74,47 +72,25 @@ class LlamaServerProcess:
 
     def __init__(self, binary: str, model_path: str, num_threads: int, num_slots: int,
                  slot_tokens: int) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.argv = llama_server_argv(binary, model_path, self.port, num_threads, num_slots,
                                       slot_tokens)
         self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log,
                                      stderr=subprocess.STDOUT)
         try:
-            self._wait_ready()
+            wait_healthy(self.proc, self.port, _START_TIMEOUT_S, "llama-server",
+                         lambda: f": {' '.join(self.argv)}\n{self.log_tail()}")
         except BaseException:
             self.stop()
             raise
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: "
-                                   f"{' '.join(self.argv)}\n{self.log_tail()}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5)
-                return
-            except (urllib.error.URLError, ConnectionError):    # 503 while it loads
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"llama-server did not start in {_START_TIMEOUT_S:.0f} "
-                                       f"s\n{self.log_tail()}") from None
-                time.sleep(0.2)
 
     def log_tail(self, num_lines: int = 20) -> str:
         self._log.seek(0)
         return b"\n".join(self._log.read().splitlines()[-num_lines:]).decode(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self._log.close()
 
 

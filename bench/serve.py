@@ -33,19 +33,17 @@ import functools
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from typing import Any, Callable
 
 import torch
 
 from rung.bench.llama_server import LlamaServerProcess, find_llama_server, llama_server_version
 from rung.bench.report import environment, loadavg
+from rung.bench.server_process import free_port, stop_process, wait_healthy
 from rung.bench.stats import percentiles_ms
 from rung.models.gguf import is_gguf
 from rung.models.loader import resolve_model_path
@@ -197,34 +195,19 @@ class _ServerProcess:
     name = "rung serve"
 
     def __init__(self, engine_argv: list[str], threads: int) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         env = {**os.environ, "OMP_NUM_THREADS": str(threads),
                "RUNG_LOGGING_LEVEL": os.environ.get("RUNG_LOGGING_LEVEL", "WARNING")}
         self.proc = subprocess.Popen([sys.executable, "-m", "rung.cli.main", "serve",
                                       *engine_argv, "--port", str(self.port)], env=env)
-        deadline = time.monotonic() + 600
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"rung serve exited with {self.proc.returncode}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5)
-                return
-            except (urllib.error.URLError, ConnectionError):
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError("rung serve did not start in 600 s") from None
-                time.sleep(0.2)
+        try:
+            wait_healthy(self.proc, self.port, 600, "rung serve")
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     @staticmethod
     def carries_tokens(chunk: dict[str, Any]) -> bool:
