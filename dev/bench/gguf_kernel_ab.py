@@ -6,8 +6,8 @@ layers of q/k/v, o, gate/up, down in Q4_1, the tied head in Q8_0, as in SmolLM2'
 random blocks; ``--layer-type`` picks another type for the layers, e.g. Q5_0, which
 llama.cpp's Q4_K_M file of SmolLM2 holds for most of them) through each build in turn, A B
 A B ..., called straight through ctypes (the C entry points csrc/gguf_op.cpp calls: round
-the activations, then the tiles, on one thread) with preallocated inputs and outputs, so
-only the kernel is timed. ``--isa vnni`` builds with the AVX-512 VNNI flags. The default compares
+the activations, then the tiles, on one thread, in the op's tasks) with preallocated
+inputs and outputs, so only the kernel is timed. ``--isa vnni`` builds with the AVX-512 VNNI flags. The default compares
 the committed kernel (``git show HEAD:kernels/csrc/gguf_gemm.c``) with the working tree's.
 
     OMP_NUM_THREADS=1 python dev/bench/gguf_kernel_ab.py --rows 1 --rounds 21 \
@@ -69,7 +69,7 @@ def _weights(gen: torch.Generator, layer_type: str) -> list[gguf_cpu.GGUFBlockWe
 def _calls(weights: list[gguf_cpu.GGUFBlockWeight], rows: int,
            gen: torch.Generator) -> list[tuple]:
     """Per matmul: (tensors kept referenced, x ptr, M, K, rows ptr, N, code, out ptr,
-    xq / dx / xsum scratch ptrs)."""
+    xq / dx / xsum scratch ptrs, the op's tasks)."""
     calls = []
     for w in weights:
         n, k = w.shape
@@ -79,16 +79,30 @@ def _calls(weights: list[gguf_cpu.GGUFBlockWeight], rows: int,
         dx, xsum = torch.zeros(rows * g_padded), torch.zeros(rows * g_padded)
         calls.append(((x, out, xq, dx, xsum), x.data_ptr(), rows, k, w.rows.data_ptr(), n,
                       gguf_cpu.TYPE_CODES[w.type_name], out.data_ptr(), xq.data_ptr(),
-                      dx.data_ptr(), xsum.data_ptr()))
+                      dx.data_ptr(), xsum.data_ptr(), _tasks(rows, n)))
     return calls
+
+
+# csrc/gguf_op.cpp's split: up to DECODE_ROWS activation rows take all weight rows in one
+# call; more go in tasks of WEIGHT_CHUNK weight rows x ROW_TILE activation rows
+DECODE_ROWS, ROW_TILE, WEIGHT_CHUNK = 4, 128, 16
+
+
+def _tasks(m: int, n: int) -> list[tuple[int, int, int, int]]:
+    if m <= DECODE_ROWS:
+        return [(0, m, 0, n)]
+    m_tiles = -(-m // ROW_TILE)
+    return [(m0, min(m, m0 + ROW_TILE), n0, min(n, n0 + WEIGHT_CHUNK))
+            for n0 in range(0, n, WEIGHT_CHUNK) for m0 in range(0, m_tiles * ROW_TILE, ROW_TILE)]
 
 
 def _run(lib: ctypes.CDLL, calls: list[tuple]) -> float:
     start = time.perf_counter()
-    for _, x, m, k, w, n, code, out, xq, dx, xsum in calls:
+    for _, x, m, k, w, n, code, out, xq, dx, xsum, tasks in calls:
         lib.round(x, m, k, code, xq, dx, xsum)
-        if lib.tiles(xq, dx, xsum, k, w, n, code, 0, m, 0, n, out):
-            raise RuntimeError(f"gguf_tiles refused type code {code}")
+        for m0, m1, n0, n1 in tasks:
+            if lib.tiles(xq, dx, xsum, k, w, n, code, m0, m1, n0, n1, out):
+                raise RuntimeError(f"gguf_tiles refused type code {code}")
     return time.perf_counter() - start
 
 
