@@ -56,8 +56,12 @@
  *   alone does not keep up with the 4 streams a 4-row tile reads at once;
  *   docs/performance.md); a prefetch never faults, and past the end
  *   of one weight it warms the next one when the weights are laid out in call order.
- * - prefill: a tile of up to 4 activation rows reuses each decoded block across them;
- *   the caller (csrc/gguf_op.cpp) splits (row tile x weight-row chunk) over threads.
+ * - Q5's high bits: AVX2 spreads them to bytes with a shuffle and compare; the VNNI build
+ *   (AVX-512BW) takes 32 of them as a byte mask as they stand;
+ * - prefill: a call's weight rows (every type but Q8_0, already bytes) are decoded once to
+ *   bytes in the order the activations are rounded in (decode_rows), and each tile of up
+ *   to 4 activation rows reads them; the caller (csrc/gguf_op.cpp) splits (row tile x
+ *   weight-row chunk) over threads.
  *
  * x [M, K] fp32 and out [M, N] fp32 are row-major and contiguous.
  */
@@ -209,16 +213,27 @@ static inline __m256 dot_q4_pair(__m256i lo, __m256i hi, __m256i xlo, __m256i xh
 
 /* Q5 high bits of one block (32 bits, weight j at bit j) -> 0x10 in byte j */
 static inline __m256i high_bits(uint32_t bits) {    /* bit j -> 0x10 in byte j */
+#ifdef GGUF_VNNI
+    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(0x10));
+#else
     const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), _mm256_setr_epi64x(
         0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
                             _mm256_set1_epi8(0x10));
+#endif
 }
 
 /* Q5 high bits of a pair of blocks a, b (their 2 x 32 bits, a's first) -> 0x10 in the
  * bytes of [a 0..15 | b 0..15] (lo) and [a 16..31 | b 16..31] (hi), the pair's order */
 static inline void pair_high_bits(uint64_t bits, __m256i *lo, __m256i *hi) {
+#ifdef GGUF_VNNI    /* AVX-512BW: the bits are a byte mask as they stand */
+    const __m256i sixteen = _mm256_set1_epi8(0x10);
+    *lo = _mm256_maskz_mov_epi8((__mmask32)((bits & 0xFFFF) | ((bits >> 16) & 0xFFFF0000)),
+                                sixteen);
+    *hi = _mm256_maskz_mov_epi8((__mmask32)(((bits >> 16) & 0xFFFF) |
+                                            ((bits >> 32) & 0xFFFF0000)), sixteen);
+#else
     const __m256i v = _mm256_set1_epi64x((long long)bits);
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     const __m256i sixteen = _mm256_set1_epi8(0x10);
@@ -230,16 +245,49 @@ static inline void pair_high_bits(uint64_t bits, __m256i *lo, __m256i *hi) {
         _mm256_shuffle_epi8(v, lo_idx), bit), bit), sixteen);
     *hi = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(
         _mm256_shuffle_epi8(v, hi_idx), bit), bit), sixteen);
+#endif
+}
+
+/* A legacy 4- or 5-bit row's pair of blocks g, g + 1 as unsigned bytes in the pair's order
+ * ([g 0..15 | g+1 0..15] in lo, [g 16..31 | g+1 16..31] in hi) */
+static inline __attribute__((always_inline)) void decode_pair(
+        int type, const uint8_t *values, int64_t G, int64_t g, __m256i *lo, __m256i *hi) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(values + g * 16));
+    *lo = _mm256_and_si256(v, nibble);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+    if (is_q5(type)) {
+        uint64_t bits;
+        memcpy(&bits, values + 16 * G + 4 * g, 8);
+        __m256i hlo, hhi;
+        pair_high_bits(bits, &hlo, &hhi);
+        *lo = _mm256_or_si256(*lo, hlo);
+        *hi = _mm256_or_si256(*hi, hhi);
+    }
+}
+
+/* A legacy 4- or 5-bit row's block g alone as unsigned bytes in k order (an odd G's last) */
+static inline __attribute__((always_inline)) __m256i decode_block(
+        int type, const uint8_t *values, int64_t G, int64_t g) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)(values + g * 16));
+    __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v),
+                                 _mm256_set1_epi8(0x0F));
+    if (is_q5(type)) {
+        uint32_t bits;
+        memcpy(&bits, values + 16 * G + 4 * g, 4);
+        w = _mm256_or_si256(w, high_bits(bits));
+    }
+    return w;
 }
 
 /* Blocks [g, g + nblk) of NB weight rows x MB activation rows into acc, the scales
- * dd[i][j] (lane lane0 + b: block g + b) in registers. */
+ * dd[i][j] (lane lane0 + b: block g + b) in registers; PRE: the 4- and 5-bit blocks come
+ * decoded from decoded[i] (decode_legacy_rows), else from values[i]. */
 static inline __attribute__((always_inline)) void chunk(
-        int NB, int MB, int type, int nblk, int lane0, const Rounded *a,
-        const uint8_t *const *values, int64_t g, int64_t m0, __m256 dd[MAX_WROWS][MAX_ROWS],
-        __m256 acc[MAX_WROWS][MAX_ROWS]) {
+        int NB, int MB, int type, int PRE, int nblk, int lane0, const Rounded *a,
+        const uint8_t *const *values, const int8_t *const *decoded, int64_t g, int64_t m0,
+        __m256 dd[MAX_WROWS][MAX_ROWS], __m256 acc[MAX_WROWS][MAX_ROWS]) {
     const int8_t *xq = a->xq + m0 * a->K + g * QK;
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
     int b = 0;
     if (type == Q8_0) {
         for (; b < nblk; ++b) {
@@ -264,16 +312,12 @@ static inline __attribute__((always_inline)) void chunk(
             xhi[j] = _mm256_loadu_si256((const __m256i *)(xq + j * a->K + b * QK + 32));
         }
         for (int i = 0; i < NB; ++i) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(values[i] + (g + b) * 16));
-            __m256i lo = _mm256_and_si256(v, nibble);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-            if (is_q5(type)) {
-                uint64_t bits;
-                memcpy(&bits, values[i] + 16 * a->G + 4 * (g + b), 8);
-                __m256i hlo, hhi;
-                pair_high_bits(bits, &hlo, &hhi);
-                lo = _mm256_or_si256(lo, hlo);
-                hi = _mm256_or_si256(hi, hhi);
+            __m256i lo, hi;
+            if (PRE) {
+                lo = _mm256_loadu_si256((const __m256i *)(decoded[i] + (g + b) * QK));
+                hi = _mm256_loadu_si256((const __m256i *)(decoded[i] + (g + b) * QK + 32));
+            } else {
+                decode_pair(type, values[i], a->G, g + b, &lo, &hi);
             }
             for (int j = 0; j < MB; ++j)
                 acc[i][j] = _mm256_fmadd_ps(dot_q4_pair(lo, hi, xlo[j], xhi[j]),
@@ -283,13 +327,9 @@ static inline __attribute__((always_inline)) void chunk(
     if (b < nblk) {             /* the last block of an odd G, its activations in order */
         const __m256i sel = _mm256_set1_epi32(lane0 + b);
         for (int i = 0; i < NB; ++i) {
-            const __m128i v = _mm_loadu_si128((const __m128i *)(values[i] + (g + b) * 16));
-            __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nibble);
-            if (is_q5(type)) {
-                uint32_t bits;
-                memcpy(&bits, values[i] + 16 * a->G + 4 * (g + b), 4);
-                w = _mm256_or_si256(w, high_bits(bits));
-            }
+            const __m256i w = PRE
+                ? _mm256_loadu_si256((const __m256i *)(decoded[i] + (g + b) * QK))
+                : decode_block(type, values[i], a->G, g + b);
             for (int j = 0; j < MB; ++j) {
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + j * a->K + b * QK));
                 acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8(w, x)),
@@ -303,14 +343,16 @@ static inline __attribute__((always_inline)) void chunk(
  * block loaded once for all MB rows. Constant NB / MB / type after inlining keep them in
  * registers. */
 static inline __attribute__((always_inline)) void tile_legacy(
-        int NB, int MB, int type, const Rounded *a, const uint8_t *weight, int64_t N,
-        int64_t n0, int64_t m0, float *out) {
+        int NB, int MB, int type, int PRE, const Rounded *a, const uint8_t *weight, int64_t N,
+        int64_t n0, int64_t m0, const int8_t *dec, int64_t dec_n0, float *out) {
     const int64_t G = a->G, rb = G * block_bytes(type);
     const uint8_t *values[MAX_WROWS];
+    const int8_t *decoded[MAX_WROWS];
     const uint16_t *d[MAX_WROWS];
     __m256 acc[MAX_WROWS][MAX_ROWS];
     for (int i = 0; i < NB; ++i) {
         values[i] = weight + (n0 + i) * rb;
+        decoded[i] = PRE ? dec + (n0 + i - dec_n0) * a->K : NULL;
         d[i] = (const uint16_t *)(values[i] + G * value_bytes(type));
         for (int j = 0; j < MB; ++j)
             acc[i][j] = _mm256_setzero_ps();
@@ -345,9 +387,9 @@ static inline __attribute__((always_inline)) void tile_legacy(
             }
         }
         if (nblk == CHUNK)
-            chunk(NB, MB, type, CHUNK, 0, a, values, g, m0, dd, acc);
+            chunk(NB, MB, type, PRE, CHUNK, 0, a, values, decoded, g, m0, dd, acc);
         else
-            chunk(NB, MB, type, nblk, lane0, a, values, g, m0, dd, acc);
+            chunk(NB, MB, type, PRE, nblk, lane0, a, values, decoded, g, m0, dd, acc);
     }
     for (int i = 0; i < NB; ++i)
         for (int j = 0; j < MB; ++j)
@@ -504,7 +546,7 @@ static inline __attribute__((always_inline)) void tile(
         int NB, int MB, int type, int PRE, const Rounded *a, const uint8_t *weight, int64_t N,
         int64_t n0, int64_t m0, const int8_t *dec, int64_t dec_n0, float *out) {
     if (is_legacy(type))
-        tile_legacy(NB, MB, type, a, weight, N, n0, m0, out);
+        tile_legacy(NB, MB, type, PRE, a, weight, N, n0, m0, dec, dec_n0, out);
     else
         tile_groups(NB, MB, type, PRE, a, weight, N, n0, m0, dec, dec_n0, out);
 }
@@ -532,7 +574,7 @@ static inline __attribute__((always_inline)) void rows_tile(
     }
 }
 
-/* One function per type (PRE: the K-quants' decoded rows; legacy types never read them):
+/* One function per type (PRE: the rows decoded once for the call's tiles; Q8_0 is bytes):
  * each is the (MB, NB) copies of one type's loops, and the compiler optimizes eight
  * functions of that size far faster than one holding all their copies. */
 #define TYPE_TILES(T, NAME, WITH_PRE) \
@@ -541,11 +583,11 @@ static __attribute__((noinline)) void NAME(int MB, const Rounded *a, const uint8
     if (WITH_PRE && dec) rows_tile(T, 1, MB, a, weight, N, n0, n1, m, dec, out); \
     else rows_tile(T, 0, MB, a, weight, N, n0, n1, m, dec, out); \
 }
-TYPE_TILES(Q4_0, tiles_q4_0, 0)
-TYPE_TILES(Q4_1, tiles_q4_1, 0)
+TYPE_TILES(Q4_0, tiles_q4_0, 1)
+TYPE_TILES(Q4_1, tiles_q4_1, 1)
 TYPE_TILES(Q8_0, tiles_q8_0, 0)
-TYPE_TILES(Q5_0, tiles_q5_0, 0)
-TYPE_TILES(Q5_1, tiles_q5_1, 0)
+TYPE_TILES(Q5_0, tiles_q5_0, 1)
+TYPE_TILES(Q5_1, tiles_q5_1, 1)
 TYPE_TILES(Q4_K, tiles_q4_k, 1)
 TYPE_TILES(Q5_K, tiles_q5_k, 1)
 TYPE_TILES(Q6_K, tiles_q6_k, 1)
@@ -569,9 +611,40 @@ static int8_t *decoded_scratch(size_t bytes) {
     return decoded_memory;
 }
 
-/* weight rows [n0, n1) of a K-quant decoded to bytes [n1 - n0, K], k order */
+/* weight rows [n0, n1) of a legacy 4- or 5-bit type decoded to bytes [n1 - n0, K], in
+ * the rounded activations' order (pairs of blocks as [a lo | b lo | a hi | b hi], an odd
+ * G's last block in k order) */
+static void decode_legacy_rows(int type, const uint8_t *weight, int64_t K, int64_t n0,
+                               int64_t n1, int8_t *dst) {
+    const int64_t G = K / QK, rb = row_bytes(type, G);
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t *values = weight + n * rb;
+        int8_t *row = dst + (n - n0) * K;
+        int64_t g = 0;
+        for (; g + 2 <= G; g += 2) {
+            __m256i lo, hi;
+            switch (type) {   /* constant types: each decode_pair inlines its own path */
+            case Q4_0: case Q4_1: decode_pair(Q4_0, values, G, g, &lo, &hi); break;
+            default: decode_pair(Q5_0, values, G, g, &lo, &hi); break;
+            }
+            _mm256_storeu_si256((__m256i *)(row + g * QK), lo);
+            _mm256_storeu_si256((__m256i *)(row + g * QK + 32), hi);
+        }
+        if (g < G)
+            _mm256_storeu_si256((__m256i *)(row + g * QK),
+                                is_q5(type) ? decode_block(Q5_0, values, G, g)
+                                            : decode_block(Q4_0, values, G, g));
+    }
+}
+
+/* weight rows [n0, n1) decoded to bytes [n1 - n0, K]: a K-quant's in k order, a legacy
+ * type's as decode_legacy_rows lays them out */
 static void decode_rows(int type, const uint8_t *weight, int64_t K, int64_t n0, int64_t n1,
                         int8_t *dst) {
+    if (is_legacy(type)) {
+        decode_legacy_rows(type, weight, K, n0, n1, dst);
+        return;
+    }
     const int64_t G = K / QK, rb = row_bytes(type, G);
     for (int64_t n = n0; n < n1; ++n)
         for (int64_t g = 0; g < G; ++g) {
@@ -595,10 +668,10 @@ int GGUF_FN(gguf_tiles)(const int8_t *xq, const float *dx, const float *xsum, in
                         int64_t n0, int64_t n1, float *out) {
     const int64_t G = K / QK, G_padded = (G + CHUNK - 1) / CHUNK * CHUNK;
     const Rounded a = {xq, dx, xsum, K, G, G_padded};
-    /* prefill: a K-quant's rows decoded once for every tile of activation rows
-     * (the same bytes decode_group gives each tile: results do not change) */
+    /* prefill: the rows decoded once for every tile of activation rows (the same bytes
+     * each tile would decode: results do not change); Q8_0's are bytes already */
     int8_t *dec = NULL;
-    if (!is_legacy(type) && m1 - m0 > MAX_ROWS && type >= 0 && type <= Q2_K) {
+    if (type != Q8_0 && m1 - m0 > MAX_ROWS && type >= 0 && type <= Q2_K) {
         dec = decoded_scratch((size_t)((n1 - n0) * K));
         if (dec != NULL)
             decode_rows(type, weight, K, n0, n1, dec);
