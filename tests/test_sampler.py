@@ -193,3 +193,16 @@ def test_logprobs_are_the_raw_models_with_rank_and_top():
         assert int(got[row, 1]) == sorted(lp[row].tolist(), reverse=True).index(
             float(lp[row, t])) + 1
         assert got[row, 5:8].long().tolist() == lp[row].topk(3).indices.tolist()
+
+
+def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does():
+    """Greedy's token is torch.argmax's: the first index of a row's maximum, ties included,
+    for a Gemma-sized vocabulary."""
+    from rung.runtime.worker.sampler import greedy_tokens
+
+    logits = torch.randn(3, 262144, generator=torch.Generator().manual_seed(0))
+    logits[0, [7, 90000, 262143]] = 50.0          # a three-way tie: index 7
+    logits[1, 262143] = 60.0                      # the last word
+    logits[2, 0] = logits[2, 1] = 70.0            # the first word, tied with the second
+    assert greedy_tokens(logits).tolist() == [7, 262143, 0]
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))

@@ -306,13 +306,20 @@ class Sampler:
         if batch.bitmask is not None:
             logits = apply_bitmask(logits, batch.bitmask)
         if batch.argmax:
-            return logits.argmax(dim=-1)
+            return greedy_tokens(logits)
         logits = processed_logits(logits, batch)
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         if batch.all_greedy:
             return tokens
         sampled = inverse_cdf(sampling_probs(logits, batch), batch.uniform)
         return torch.where(batch.greedy, tokens, sampled)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] -> each row's first index of its maximum [R] int64: argmax's answer.
+    NOTE: max, not argmax: torch's CPU argmax is a scalar loop, several times max's time
+    over a large vocabulary (docs/performance.md, "Greedy's argmax on CPU")."""
+    return logits.max(dim=-1).indices
 
 
 # --- logprobs (device) ----------------------------------------------------------------------
