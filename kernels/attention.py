@@ -7,6 +7,7 @@ from torch import nn
 
 from rung.core.forward_context import get_forward_context
 from rung.core.kv_cache_spec import KVCacheSpec
+from rung.kernels import cpu_attention
 from rung.kernels.backend import AttentionBackend, AttentionImpl, AttentionLayerSpec
 from rung.kernels.torch_backend import paged_attention_fusable, write_kv
 
@@ -78,8 +79,12 @@ class Attention(nn.Module):
         return output.view(num_tokens, s.num_heads * s.head_dim)
 
     def _inline_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """KV write and attention as plain torch ops, traced into a compiled graph."""
+        """KV write and attention as plain torch ops, traced into a compiled graph; a CPU
+        decode batch's attention is one opaque op (kernels/cpu_attention.py)."""
         meta = get_forward_context().attn_metadata[self.layer_name].common
         if self.spec.writes_kv:
             write_kv(self.kv_cache, k, v, meta.slot_mapping)
+        if cpu_attention.serves(q, self.kv_cache, meta):     # decode: the C++ op
+            return cpu_attention.paged_decode_attention(q, self.kv_cache, meta,
+                                                        self.spec).to(q.dtype)
         return paged_attention_fusable(q, self.kv_cache, meta, self.spec).to(q.dtype)

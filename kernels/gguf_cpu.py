@@ -47,6 +47,8 @@ GROUP_SIZE = 32                   # GGUF's block: 32 weights, one scale (and off
 SUPER_BLOCK = 256                 # a K-quant's super-block: 8 groups of 32
 _SOURCE = Path(__file__).parent / "csrc" / "gguf_gemm.c"
 _OP_SOURCE = Path(__file__).parent / "csrc" / "gguf_op.cpp"
+# built into the same library: the decode attention op (kernels/cpu_attention.py)
+_ATTENTION_SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC"]
 _VNNI_CFLAGS = ["-DGGUF_VNNI", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"]
 _CXXFLAGS = ["-O2", "-std=c++17", "-shared", "-fPIC", "-w", "-fopenmp"]
@@ -423,29 +425,36 @@ def _cache_dir() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def load_kernel() -> None:
-    """Register the op's CPU kernel, building it on first use and caching it by its
-    sources, flags and torch version."""
+    """Register the ops' CPU kernels (gguf_gemm, f32_linear, paged_decode_attention),
+    building them on first use and caching them by their sources, flags and torch
+    version."""
     why = available()
     if why is not None:
         raise RuntimeError(f"rung's GGUF CPU kernel cannot run: {why}")
     from torch.utils import cpp_extension
 
+    from rung.kernels import cpu_attention  # noqa: F401  (its op's schema, before its kernel)
+
     torch_lib = cpp_extension.library_paths()[0]
     cxxflags = [*_CXXFLAGS, *(f"-I{p}" for p in cpp_extension.include_paths()),
                 f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     key = b"".join([_SOURCE.read_bytes(), _OP_SOURCE.read_bytes(),
+                    _ATTENTION_SOURCE.read_bytes(),
                     " ".join(_CFLAGS + _VNNI_CFLAGS + cxxflags + [torch.__version__]).encode()])
     path = _cache_dir() / f"gguf_op-{hashlib.sha256(key).hexdigest()[:16]}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            objs = [Path(tmp) / "gguf_avx2.o", Path(tmp) / "gguf_vnni.o", Path(tmp) / "op.o"]
+            objs = [Path(tmp) / "gguf_avx2.o", Path(tmp) / "gguf_vnni.o", Path(tmp) / "op.o",
+                    Path(tmp) / "attention.o"]
             built = Path(tmp) / path.name
-            # NOTE: the three compiles are independent: at once, then one link
+            # NOTE: the four compiles are independent: at once, then one link
             _run([_compiler(), *_CFLAGS, "-c", "-o", str(objs[0]), str(_SOURCE)],
                  [_compiler(), *_CFLAGS, *_VNNI_CFLAGS, "-c", "-o", str(objs[1]), str(_SOURCE)],
-                 [_cxx_compiler(), *cxxflags, "-c", "-o", str(objs[2]), str(_OP_SOURCE)])
+                 [_cxx_compiler(), *cxxflags, "-c", "-o", str(objs[2]), str(_OP_SOURCE)],
+                 [_cxx_compiler(), *cxxflags, "-c", "-o", str(objs[3]),
+                  str(_ATTENTION_SOURCE)])
             _run([_cxx_compiler(), *cxxflags, "-o", str(built), *map(str, objs),
                   f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu"])
             os.replace(built, path)          # NOTE: atomic: a racing process sees all or none
@@ -458,6 +467,11 @@ def load_kernel() -> None:
 
 _ISA_CONTROL: list[ctypes.CDLL] = []      # the loaded op library, for set_isa / isa
 ISAS = ("avx2", "avx512_vnni")
+
+
+def kernel_loaded() -> bool:
+    """Whether ``load_kernel`` has registered the ops' CPU kernels in this process."""
+    return bool(_ISA_CONTROL)
 
 
 def set_isa(name: str | None) -> None:
