@@ -1,6 +1,7 @@
 """GGUF block-quantized matmuls on x86 CPUs: rung's own kernel (AVX2, and AVX-512 VNNI
-where the CPU has it), fp32 activations, every common GGUF type in its own bits; and the
-float32 GEMV of a CPU model's float linears (``f32_linear``), built with it.
+where the CPU has it), fp32 activations, every common GGUF type in its own bits; and, built
+into the same library, the float32 GEMV of a CPU model's float linears (``f32_linear``)
+and the decode attention of CPU graphs (``paged_decode_attention``, kernels/cpu_attention.py).
 
 torch's CPU int4 kernel (``aten::_weight_int4pack_mm_for_cpu``) converts every weight to
 float before its FMA, and on AVX2 it is compute-bound, not bound by the weight stream.
@@ -360,6 +361,12 @@ _LIBRARY.impl("gguf_gemm", lambda x, rows, code: x.new_empty(
 _LIBRARY.define("f32_linear(Tensor x, Tensor weight) -> Tensor")
 _LIBRARY.impl("f32_linear", lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]),
               "Meta")
+# the decode attention op built into the same library (kernels/cpu_attention.py uses it)
+_LIBRARY.define("paged_decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, "
+                "Tensor seq_lens, float scale, int sliding_window, float softcap) -> Tensor")
+_LIBRARY.impl("paged_decode_attention",
+              lambda query, kv_cache, block_table, seq_lens, scale, sliding_window, softcap:
+              query.new_empty(query.shape, dtype=torch.float32), "Meta")
 
 
 def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -432,8 +439,6 @@ def load_kernel() -> None:
     if why is not None:
         raise RuntimeError(f"rung's GGUF CPU kernel cannot run: {why}")
     from torch.utils import cpp_extension
-
-    from rung.kernels import cpu_attention  # noqa: F401  (its op's schema, before its kernel)
 
     torch_lib = cpp_extension.library_paths()[0]
     cxxflags = [*_CXXFLAGS, *(f"-I{p}" for p in cpp_extension.include_paths()),

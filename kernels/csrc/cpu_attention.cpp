@@ -2,8 +2,8 @@
 // request's paged KV cache, read in place, block by block, up to its own length. A compiled
 // graph's traced attention (kernels/torch_backend.py paged_attention_fusable) reads every
 // block of the batch's cut table and recomputes scores inside a fused softmax; this reads
-// each request's visible keys once. The schema, the Meta kernel and the reference it is
-// tested against are in kernels/cpu_attention.py.
+// each request's visible keys once. Its schema and Meta kernel are in kernels/gguf_cpu.py,
+// its use in kernels/cpu_attention.py, its reference in kernels/torch_backend.py.
 //
 // INVARIANT (batch invariance): a token's result depends on its own query, keys and values
 // alone: one task per (request, KV head), keys in order, a fixed reduction per dot product;
