@@ -4,10 +4,10 @@ A CPU graph traces attention as plain torch ops (``paged_attention_fusable``): i
 fuses them, but its fused softmax reads every block of the batch's cut block table and
 recomputes the scores in each pass (on Gemma 3 270M, more than half the time of its
 layers' matmuls; docs/performance.md, "Decode attention in CPU graphs"). For decode (one
-query token per request) a compiled graph calls this op instead: an opaque call whose C++
-kernel (``csrc/cpu_attention.cpp``, built into the library ``gguf_cpu.load_kernel``
-compiles; the op's schema is defined there too) reads each request's visible keys in
-place, block by block, once. Its result is the reference's
+query token per request) a compiled graph calls this op instead: an opaque call whose C
+kernel (``csrc/cpu_attention.c``, behind ``csrc/gguf_op.cpp``'s wrapper in the library
+``gguf_cpu.load_kernel`` builds, where the op's schema is defined too) reads each
+request's visible keys in place, block by block, once. Its result is the reference's
 (``torch_backend.paged_attention_ref``) within fp32 rounding, and a token's bits never
 depend on the batch around it or on the thread count.
 """

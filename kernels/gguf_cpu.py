@@ -49,7 +49,7 @@ SUPER_BLOCK = 256                 # a K-quant's super-block: 8 groups of 32
 _SOURCE = Path(__file__).parent / "csrc" / "gguf_gemm.c"
 _OP_SOURCE = Path(__file__).parent / "csrc" / "gguf_op.cpp"
 # built into the same library: the decode attention op (kernels/cpu_attention.py)
-_ATTENTION_SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
+_ATTENTION_SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.c"
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC"]
 _VNNI_CFLAGS = ["-DGGUF_VNNI", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"]
 _CXXFLAGS = ["-O2", "-std=c++17", "-shared", "-fPIC", "-w", "-fopenmp"]
@@ -458,8 +458,7 @@ def load_kernel() -> None:
             _run([_compiler(), *_CFLAGS, "-c", "-o", str(objs[0]), str(_SOURCE)],
                  [_compiler(), *_CFLAGS, *_VNNI_CFLAGS, "-c", "-o", str(objs[1]), str(_SOURCE)],
                  [_cxx_compiler(), *cxxflags, "-c", "-o", str(objs[2]), str(_OP_SOURCE)],
-                 [_cxx_compiler(), *cxxflags, "-c", "-o", str(objs[3]),
-                  str(_ATTENTION_SOURCE)])
+                 [_compiler(), *_CFLAGS, "-c", "-o", str(objs[3]), str(_ATTENTION_SOURCE)])
             _run([_cxx_compiler(), *cxxflags, "-o", str(built), *map(str, objs),
                   f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu"])
             os.replace(built, path)          # NOTE: atomic: a racing process sees all or none

@@ -1,6 +1,7 @@
-// rung::gguf_gemm's and rung::f32_linear's CPU kernels in C++: the dispatcher calls
-// csrc/gguf_gemm.c straight, with no Python in between (a compiled decode step makes ~120
-// of these calls, and a Python kernel would add its interpreter to each). gguf_gemm
+// rung::gguf_gemm's, rung::f32_linear's and rung::paged_decode_attention's CPU kernels in
+// C++: the dispatcher calls csrc/gguf_gemm.c (csrc/cpu_attention.c) straight, with no
+// Python in between (a compiled decode step makes ~120 of these calls, and a Python
+// kernel would add its interpreter to each). gguf_gemm
 // rounds the activations once per call, then splits the output over torch's intra-op
 // pool (the engine's thread count; never a pool of its own): weight-row chunks for a few
 // activation rows (decode), (weight-row chunk x activation-row tile) for prefill. The
@@ -11,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -33,6 +35,10 @@ void f32_gemv_avx2(const float *x, int64_t K, const float *w, int64_t N, int64_t
                    int64_t m1, int64_t n0, int64_t n1, float *out);
 void f32_gemv_vnni(const float *x, int64_t K, const float *w, int64_t N, int64_t m0,
                    int64_t m1, int64_t n0, int64_t n1, float *out);
+int cpu_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                         const int32_t *blocks, int64_t first, int64_t len, int64_t NB,
+                         int64_t bs, int64_t kvh, int64_t h, int64_t hd, int64_t g,
+                         float scale, float softcap, float *scores, float *out);
 }
 
 namespace {
@@ -150,6 +156,59 @@ at::Tensor f32_linear_cpu(const at::Tensor &x, const at::Tensor &w) {
     return out;
 }
 
+// query [T, H, hd] fp32 (token t: block-table row t), kv_cache [2, NB, bs, kvh, hd] fp32,
+// block_table [T, nb] int32, seq_lens [T] int32 (0: a pad row, whose output is 0) ->
+// [T, H, hd]: csrc/cpu_attention.c per (token, KV head), split over torch's intra-op pool
+at::Tensor paged_decode_attention_cpu(const at::Tensor &query, const at::Tensor &kv_cache,
+                                      const at::Tensor &block_table, const at::Tensor &seq_lens,
+                                      double scale, int64_t sliding_window, double softcap) {
+    TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_table.dim() == 2 &&
+                    seq_lens.dim() == 1,
+                "rung::paged_decode_attention takes query [T, H, hd], kv_cache [2, NB, bs, "
+                "kvh, hd], block_table [T, nb] and seq_lens [T]");
+    TORCH_CHECK(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat,
+                "rung::paged_decode_attention takes a float32 query and KV cache");
+    TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+                "rung::paged_decode_attention takes int32 block_table and seq_lens");
+    const at::Tensor q = query.contiguous(), kv = kv_cache.contiguous();
+    const at::Tensor table = block_table.contiguous(), lens = seq_lens.contiguous();
+    const int64_t T = q.size(0), H = q.size(1), hd = q.size(2);
+    const int64_t NB = kv.size(1), bs = kv.size(2), kvh = kv.size(3), nb = table.size(1);
+    TORCH_CHECK(table.size(0) == T && lens.size(0) == T,
+                "rung::paged_decode_attention: one block-table row and seq_len per token, got ",
+                table.size(0), " and ", lens.size(0), " for ", T, " tokens");
+    TORCH_CHECK(kv.size(0) == 2 && kv.size(4) == hd && H % kvh == 0,
+                "rung::paged_decode_attention: query ", q.sizes(), " does not match kv_cache ",
+                kv.sizes());
+    const int64_t g = H / kvh;
+    at::Tensor out = at::zeros({T, H, hd}, q.options());
+    const float *qp = q.data_ptr<float>(), *kp = kv.data_ptr<float>();
+    const float *vp = kp + NB * bs * kvh * hd;
+    const int32_t *tp = table.data_ptr<int32_t>(), *lp = lens.data_ptr<int32_t>();
+    float *op = out.data_ptr<float>();
+    std::atomic<int64_t> bad_token{-1};
+    at::parallel_for(0, T * kvh, 1, [&](int64_t b, int64_t e) {
+        std::vector<float> scores;
+        for (int64_t task = b; task < e; ++task) {
+            const int64_t t = task / kvh, h = task % kvh;
+            const int64_t len = std::min<int64_t>(lp[t], nb * bs);
+            if (len <= 0)
+                continue;                               // a pad row: 0, as the reference
+            const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window)
+                                                     : 0;
+            scores.resize(static_cast<size_t>(g * (len - first)));
+            if (cpu_decode_attention(qp + (t * H + h * g) * hd, kp, vp, tp + t * nb, first, len,
+                                     NB, bs, kvh, h, hd, g, static_cast<float>(scale),
+                                     static_cast<float>(softcap), scores.data(),
+                                     op + (t * H + h * g) * hd))
+                bad_token = t;
+        }
+    });
+    TORCH_CHECK(bad_token < 0, "rung::paged_decode_attention: a block of token ",
+                bad_token.load(), "'s table row is outside the cache's ", NB, " blocks");
+    return out;
+}
+
 }  // namespace
 
 // which path runs (0 AVX2, 1 AVX-512 VNNI), and forcing one: kernels/gguf_cpu.py set_isa
@@ -159,4 +218,5 @@ extern "C" void rung_gguf_set_isa(int isa) { forced_isa = isa; }
 TORCH_LIBRARY_IMPL(rung, CPU, m) {
     m.impl("gguf_gemm", gguf_gemm_cpu);
     m.impl("f32_linear", f32_linear_cpu);
+    m.impl("paged_decode_attention", paged_decode_attention_cpu);
 }
