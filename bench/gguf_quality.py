@@ -56,12 +56,26 @@ def _scored(llm: LLM, prompt_ids: list[int], tokens: list[int]) -> list[float]:
     return [lp[t].logprob for lp, t in zip(scored, tokens)]
 
 
+def _llamacpp_logits(lcpp, row: int):
+    """llama.cpp's logits of batch row ``row`` of its last decode, as fp64 numpy."""
+    import numpy as np
+
+    return np.ctypeslib.as_array(lcpp.lc.llama_get_logits_ith(lcpp.ctx, row),
+                                 shape=(lcpp.vocab_size,)).astype(np.float64)
+
+
+def _logprob(logits, token: int) -> float:
+    """log softmax(logits)[token], computed from the maximum."""
+    import numpy as np
+
+    top = logits.max()
+    return float(logits[token] - top - np.log(np.exp(logits - top).sum()))
+
+
 def _llamacpp_greedy(lcpp, prompt_ids: list[int],
                      max_tokens: int) -> tuple[list[int], list[float]]:
     """llama.cpp's greedy tokens on one sequence (up to its end-of-generation token, as
     rung stops at EOS) and its own logprobs of them."""
-    import numpy as np
-
     lc = lcpp.lc
     vocab = lc.llama_model_get_vocab(lcpp.model)
     lc.llama_memory_clear(lc.llama_get_memory(lcpp.ctx), True)
@@ -69,11 +83,9 @@ def _llamacpp_greedy(lcpp, prompt_ids: list[int],
     tokens, logprobs = [], []
     for _ in range(max_tokens):
         lcpp._decode(rows)
-        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(lcpp.ctx, len(rows) - 1),
-                                       shape=(lcpp.vocab_size,)).astype(np.float64)
+        logits = _llamacpp_logits(lcpp, len(rows) - 1)
         token = int(logits.argmax())
-        logprobs.append(float(logits[token] - logits.max()
-                              - np.log(np.exp(logits - logits.max()).sum())))
+        logprobs.append(_logprob(logits, token))
         tokens.append(token)
         if lc.llama_vocab_is_eog(vocab, token):
             break
@@ -83,19 +95,11 @@ def _llamacpp_greedy(lcpp, prompt_ids: list[int],
 
 def _llamacpp_scored(lcpp, prompt_ids: list[int], tokens: list[int]) -> list[float]:
     """Logprobs llama.cpp gives ``tokens`` after ``prompt_ids`` (teacher forcing, one batch)."""
-    import numpy as np
-
     lc = lcpp.lc
     lc.llama_memory_clear(lc.llama_get_memory(lcpp.ctx), True)
-    ids = prompt_ids + tokens
-    lcpp._decode([(t, pos, 0) for pos, t in enumerate(ids)])
-    logprobs = []
-    for row, token in enumerate(tokens, start=len(prompt_ids) - 1):
-        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(lcpp.ctx, row),
-                                       shape=(lcpp.vocab_size,)).astype(np.float64)
-        top = logits.max()
-        logprobs.append(float(logits[token] - top - np.log(np.exp(logits - top).sum())))
-    return logprobs
+    lcpp._decode([(t, pos, 0) for pos, t in enumerate(prompt_ids + tokens)])
+    return [_logprob(_llamacpp_logits(lcpp, row), token)
+            for row, token in enumerate(tokens, start=len(prompt_ids) - 1)]
 
 
 def _diff(own: list[float], scored: list[float]) -> str:
