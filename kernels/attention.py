@@ -84,7 +84,7 @@ class Attention(nn.Module):
         meta = get_forward_context().attn_metadata[self.layer_name].common
         if self.spec.writes_kv:
             write_kv(self.kv_cache, k, v, meta.slot_mapping)
-        if cpu_attention.serves(q, self.kv_cache, meta):     # decode: the C++ op
+        if cpu_attention.serves(q, self.kv_cache, meta):     # CPU decode: one opaque op
             return cpu_attention.paged_decode_attention(q, self.kv_cache, meta,
                                                         self.spec).to(q.dtype)
         return paged_attention_fusable(q, self.kv_cache, meta, self.spec).to(q.dtype)

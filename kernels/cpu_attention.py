@@ -19,14 +19,14 @@ import torch
 from rung.core.attention_metadata import CommonAttentionMetadata
 from rung.kernels.backend import AttentionLayerSpec
 from rung.kernels.gguf_cpu import kernel_loaded
+from rung.kernels.torch_backend import is_decode_batch
 
 
 def serves(query: torch.Tensor, kv_cache: torch.Tensor, meta: CommonAttentionMetadata) -> bool:
     """Whether the op serves this traced attention: a decode batch (one query token per
     block-table row) on CPU, float32 KV, with the kernel library loaded."""
     return (query.device.type == "cpu" and kv_cache.dtype == torch.float32
-            and meta.desc.uniform_query_len == 1
-            and meta.block_table.shape[0] == query.shape[0] and kernel_loaded())
+            and is_decode_batch(meta, query.shape[0]) and kernel_loaded())
 
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,

@@ -42,6 +42,11 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         torch.where(pad, kv_cache[1, 0, 0], value.to(kv_cache.dtype)))
 
 
+def is_decode_batch(meta: CommonAttentionMetadata, num_tokens_padded: int) -> bool:
+    """One query token per block-table row: token t is row t's only query."""
+    return meta.desc.uniform_query_len == 1 and meta.block_table.shape[0] == num_tokens_padded
+
+
 def token_positions(meta: CommonAttentionMetadata,
                     num_tokens_padded: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per token: request row [T] (clamped), absolute position [T], visible KV length [T].
@@ -50,7 +55,7 @@ def token_positions(meta: CommonAttentionMetadata,
     """
     qsl = meta.query_start_loc.long()
     rows = qsl.shape[0] - 1
-    if meta.desc.uniform_query_len == 1 and rows == num_tokens_padded:
+    if is_decode_batch(meta, num_tokens_padded):
         # decode: token t is row t's only query; pad rows have seq_len 0, so kv_len 0
         seq_lens = meta.seq_lens.long()
         req = torch.arange(rows, device=qsl.device)
