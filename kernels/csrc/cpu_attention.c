@@ -52,8 +52,8 @@ int cpu_decode_attention(const float *q, const float *k_cache, const float *v_ca
                          int64_t bs, int64_t kvh, int64_t h, int64_t hd, int64_t g,
                          float scale, float softcap, float *scores, float *out) {
     const int64_t L = len - first;
-    for (int64_t j = first; j < len; ++j)
-        if (blocks[j / bs] < 0 || blocks[j / bs] >= NB)
+    for (int64_t b = first / bs; b <= (len - 1) / bs; ++b)   /* the blocks keys are read from */
+        if (blocks[b] < 0 || blocks[b] >= NB)
             return -1;
     for (int64_t j = first; j < len; ++j) {
         const float *k = k_cache + (((int64_t)blocks[j / bs] * bs + j % bs) * kvh + h) * hd;
